@@ -1,0 +1,53 @@
+"""The `ple:` block of a serve config: one pydantic model, unknown keys rejected."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PleDeadlines(_Strict):
+    """Progress deadlines; missing one ends the replica (DESIGN section 5)."""
+
+    startup_s: float = Field(900.0, gt=0, description="table load + engine start + capture")
+    step_s: float = Field(60.0, gt=0, description="a posted step must be released in time")
+    offload_wait_s: float = Field(10.0, gt=0, description="offload actor waits for flag == 0")
+    heartbeat_s: float = Field(5.0, gt=0, description="a side whose heartbeat is older is dead")
+
+
+class SupervisorConfig(_Strict):
+    """How often the supervisor looks; detection latency is bounded by these."""
+
+    poll_interval_s: float = Field(0.02, gt=0, le=5)
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
+
+
+class PleConfig(_Strict):
+    """Per-deployment PLE offload settings (the `ple:` block)."""
+
+    enabled: bool = True
+    transport: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda where the engine has GPUs, else cpu"
+    )
+    offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
+    gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
+    shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
+    table_tensor: str | None = Field(
+        None, description="checkpoint tensor of the PLE table; found by name when unset"
+    )
+    max_tokens: int | None = Field(
+        None, gt=0, description="slot rows; defaults to the engine's max_num_batched_tokens"
+    )
+    deadlines: PleDeadlines = PleDeadlines()
+    supervisor: SupervisorConfig = SupervisorConfig()
+
+    @model_validator(mode="after")
+    def _shm_dir_absolute(self) -> "PleConfig":
+        if not self.shm_dir.startswith("/"):
+            raise ValueError(f"ple.shm_dir must be an absolute path, got {self.shm_dir!r}")
+        return self

@@ -1,0 +1,64 @@
+"""Offline inference with the PLE table offloaded: `vllm.LLM` plus its offload actors.
+
+For batch jobs, tests and benchmarks on a Ray cluster (or a local one): the engine runs in
+this process's engine core, the offload actors on this node.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ray_ple.config import PleConfig
+from ray_ple.pairs import PairSet
+from ray_ple.plan import plan_offload
+from ray_ple.tiny_model import resolve
+
+
+@contextmanager
+def offloaded_llm(model: str, ple: PleConfig | None = None, *, transport: str = "cpu",
+                  **engine_kwargs: Any) -> Iterator[Any]:
+    """Yield a `vllm.LLM` whose PLE table is served by offload actors on this node."""
+    import ray
+    from vllm import LLM
+
+    ple = ple or PleConfig()
+    checkpoint = resolve(model)
+    if not ple.enabled:
+        llm = LLM(model=checkpoint, **engine_kwargs)
+        try:
+            yield llm
+        finally:
+            _shutdown(llm)
+        return
+    plan = plan_offload(checkpoint, ple, engine_kwargs, transport)
+    if not ray.is_initialized():
+        ray.init()
+    pairs = PairSet(ple, plan.geometry, plan.sources, tag=f"offline-{secrets.token_hex(4)}")
+    saved = {k: os.environ.get(k) for k in (*plan.env, "RAY_PLE_PAIRS")}
+    llm = None
+    try:
+        pairs.start(plan.world_size, None, list(range(plan.world_size)))
+        os.environ.update({**plan.env, **pairs.env()})
+        llm = LLM(model=checkpoint, **plan.engine_kwargs)
+        llm.ray_ple_pairs = pairs  # for callers that inspect or fault the pairs
+        yield llm
+    finally:
+        if llm is not None:
+            _shutdown(llm)
+        pairs.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _shutdown(llm: Any) -> None:
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(engine, "shutdown", None)
+    if callable(shutdown):
+        shutdown()

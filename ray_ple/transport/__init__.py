@@ -1,0 +1,25 @@
+"""Worker-side consumers of a pair's slots, one interface, one module per device."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ray_ple.errors import PleConfigError
+
+if TYPE_CHECKING:
+    from ray_ple.transport.base import Transport
+    from ray_ple.transaction import WorkerEnd
+
+TRANSPORTS = ("cpu", "cuda")
+
+
+def make_transport(name: str, worker: "WorkerEnd", dtype: str) -> "Transport":
+    if name == "cpu":
+        from ray_ple.transport.cpu import CpuTransport
+
+        return CpuTransport(worker, dtype)
+    if name == "cuda":
+        from ray_ple.transport.cuda import CudaTransport
+
+        return CudaTransport(worker, dtype)
+    raise PleConfigError(f"unknown transport {name!r}; one of {TRANSPORTS}")
