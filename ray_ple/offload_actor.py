@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -54,10 +55,22 @@ class PairStatus(BaseModel):
     released: int
     worker_heartbeat_age_s: float | None
     cuda_evidence: list[str]
+    torch_imported: bool
     table_fingerprints: list[str]
 
 
+def node_id() -> str:
+    """The Ray node this process runs on ("local" outside Ray, e.g. the GPU test rig)."""
+    try:
+        import ray
+    except ImportError:
+        return "local"
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
 class OffloadActor:
+    """Plain class; `ray.remote(OffloadActor)` makes it the actor (see `ray_ple.pairs`)."""
+
     def __init__(self, spec: dict[str, Any]) -> None:
         hide_cuda()
         self.spec = OffloadSpec.model_validate(spec)
@@ -70,8 +83,6 @@ class OffloadActor:
     # setup ------------------------------------------------------------------------------
     def setup(self) -> dict[str, Any]:
         """Hold the node tables, create the pair segment, start serving; return the handle."""
-        import ray
-
         spec, cfg = self.spec, self.spec.config
         sweep_orphans(cfg.shm_dir)
         self.tables = [acquire_table(src, shm_dir=cfg.shm_dir,
@@ -92,7 +103,7 @@ class OffloadActor:
         self._thread.start()
         handle = make_pair_handle(
             rank=spec.rank, segment=self.segment.ref(),
-            node_id=ray.get_runtime_context().get_node_id(), actor_name=spec.actor_name,
+            node_id=node_id(), actor_name=spec.actor_name,
             fingerprint=fp, geometry=spec.geometry, layout=layout)
         log_event("offload_ready", rank=spec.rank, layers=list(spec.geometry.layer_names),
                   segment_bytes=layout.size)
@@ -134,17 +145,15 @@ class OffloadActor:
 
     # queries ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        import ray
-
         b = self.block
         posted, published, released = b.counters() if b else (0, (), 0)
         hb = b.heartbeat("worker") if b else 0
         return PairStatus(
-            rank=self.spec.rank, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
+            rank=self.spec.rank, pid=os.getpid(), node_id=node_id(),
             state=b.state.name if b else "NONE", reason=b.reason if b else 0, posted=posted,
             published=published, released=released,
             worker_heartbeat_age_s=(time.monotonic_ns() - hb) / 1e9 if hb else None,
-            cuda_evidence=cuda_evidence(),
+            cuda_evidence=cuda_evidence(), torch_imported="torch" in sys.modules,
             table_fingerprints=[t.fingerprint for t in self.tables],
         ).model_dump()
 
