@@ -36,6 +36,10 @@ class PleConfig(_Strict):
     )
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
+    offload_spin_us: float = Field(
+        0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "
+        "blocks on the doorbell (GPU decode latency; costs a core while it spins)"
+    )
     shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
     table_tensor: str | None = Field(
         None, description="checkpoint tensor of the PLE table; found by name when unset"

@@ -121,6 +121,7 @@ class OffloadActor:
         step_ns = int(cfg.deadlines.step_s * 1e9)
         poll = cfg.supervisor.heartbeat_interval_s
         published_at = 0
+        spin_s = cfg.offload_spin_us * 1e-6
         while not self._stop.is_set():
             now = time.monotonic_ns()
             b.beat("offload", now)
@@ -141,7 +142,18 @@ class OffloadActor:
             if b.released < end.last and time.monotonic_ns() - published_at > step_ns:
                 fail_closed("offload", Reason.STEP_DEADLINE, block=b, rank=end.rank,
                             seq=end.last, detail=f"step not released within {cfg.deadlines.step_s}s")
+            if spin_s and self._spin(end.last, spin_s):
+                continue
             self._bell.wait(poll)
+
+    def _spin(self, last: int, spin_s: float) -> bool:
+        """Bounded spin until `posted` moves past `last` (True) or the time is up (False)."""
+        b = self.block
+        deadline = time.perf_counter() + spin_s
+        while b.posted == last:
+            if time.perf_counter() >= deadline:
+                return False
+        return True
 
     # queries ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

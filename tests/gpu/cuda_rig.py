@@ -1,0 +1,245 @@
+"""The GPU rig: a pattern table, the offload side in its own process, a stand-in model whose
+forward contains the real offload layer, and a small engine loop of the project's own.
+
+vLLM cannot run on the GPU test machine, so this loop plays the engine: it posts every step
+through `WorkerPair.step` (the same bracket the vLLM runner hook uses), runs the forward
+eagerly, from a CUDA graph captured as a local forward, or through torch.compile, and reads
+the next ids back the way a decode engine reads sampled tokens.
+
+Every row is checkable: element j (as int32) of table row r is r * W + j (W = row_bytes / 4),
+and the model compares every gathered word with that, on the device, every step. The next
+step's ids come from the previous step's output (a closed loop), so a stale or misplaced row
+cannot pass. Runs on CPU too (transport 'cpu', no graphs) so the rig itself is tested in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ray_ple import worker_pair  # noqa: E402
+from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
+from ray_ple.geometry import LayerGeometry, PleGeometry  # noqa: E402
+from ray_ple.handles import PairHandle  # noqa: E402
+from ray_ple.table_store import TableSource  # noqa: E402
+from ray_ple.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
+
+LAYER = "model.embed_tokens_per_layer"
+TENSOR = "model.embed_tokens_per_layer.weight"
+ROW_ELEMS = 35 * 256  # Gemma 4 E2B/E4B-like: 35 layers x 256 dims, bf16 -> 17,920 B a row
+OFFLOAD_PROC = Path(__file__).with_name("offload_proc.py")
+
+
+# the table ---------------------------------------------------------------------------------
+def write_pattern_checkpoint(directory: Path, rows: int, row_elems: int = ROW_ELEMS) -> Path:
+    """A safetensors file whose bf16 table holds int32 words r * W + j (data 64-B aligned)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model.safetensors"
+    words = row_elems // 2
+    nbytes = rows * row_elems * 2
+    meta = {TENSOR: {"dtype": "BF16", "shape": [rows, row_elems], "data_offsets": [0, nbytes]}}
+    header = json.dumps(meta).encode()
+    header += b" " * ((-(8 + len(header))) % 64)
+    cols = np.arange(words, dtype=np.int32)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        chunk = max(1, (64 << 20) // (words * 4))
+        for r0 in range(0, rows, chunk):
+            r = np.arange(r0, min(rows, r0 + chunk), dtype=np.int32)
+            f.write((r[:, None] * words + cols).tobytes())
+    (directory / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForCausalLM"]}))
+    return path
+
+
+def table_view(path: Path) -> np.memmap:
+    """The checkpoint's table as a read-only (rows, row_bytes) uint8 memmap (variants B, D)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))[TENSOR]
+    rows, elems = meta["shape"]
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(rows, elems * 2))
+
+
+def geometry(rows: int, max_tokens: int) -> PleGeometry:
+    return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, layers=(
+        LayerGeometry(layer_name=LAYER, rows=rows, row_elems=ROW_ELEMS, dtype="bfloat16"),))
+
+
+def deadlines() -> PleDeadlines:
+    return PleDeadlines(startup_s=600, step_s=30, offload_wait_s=10, heartbeat_s=10)
+
+
+# the offload side --------------------------------------------------------------------------
+class OffloadProcess:
+    """The project's offload actor in a separate CPU-only process (no torch, no CUDA)."""
+
+    def __init__(self, checkpoint_dir: Path, geo: PleGeometry, *, spin_us: float = 0.0,
+                 shm_dir: str = "/dev/shm", actor_name: str = "gpu-rig-offload") -> None:
+        cfg = PleConfig(transport="cuda", offload_spin_us=spin_us, shm_dir=shm_dir,
+                        deadlines=deadlines())
+        source = TableSource(checkpoint_dir=str(checkpoint_dir), tensor_names=(TENSOR,),
+                             layer=geo.layers[0])
+        spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
+                "sources": [source.model_dump(mode="json")],
+                "config": cfg.model_dump(mode="json")}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(OFFLOAD_PROC)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        reply = self._ask(json.dumps(spec))
+        self.handle = PairHandle.model_validate(reply["handle"])
+        self.pid = int(reply["pid"])
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        out = self.proc.stdout.readline()
+        if not out:
+            raise RuntimeError(f"offload process exited with {self.proc.wait(5)}")
+        return json.loads(out)
+
+    def status(self) -> dict[str, Any]:
+        return self._ask("status")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._ask("close")
+            finally:
+                self.proc.wait(10)
+
+
+def attach(handle: PairHandle, geo: PleGeometry, transport: str) -> worker_pair.WorkerPair:
+    """Attach this process's pair exactly as a worker does (registry keyed by layer name)."""
+    os.environ[worker_pair.PAIRS_ENV] = json.dumps([handle.model_dump(mode="json")])
+    return worker_pair.attach_process(geo, rank=0, transport=transport, deadlines=deadlines(),
+                                      heartbeat_s=0.25)
+
+
+# the stand-in model ------------------------------------------------------------------------
+class StandIn(torch.nn.Module):
+    """PLE lookup (the real offload layer), a row-by-row check, a consumer, the next ids."""
+
+    def __init__(self, rows: int, row_elems: int = ROW_ELEMS) -> None:
+        super().__init__()
+        self.ple = PleOffloadEmbedding(LAYER, row_elems, torch.bfloat16)
+        self.rows, self.words = rows, row_elems // 2
+        self.register_buffer("cols", torch.arange(self.words, dtype=torch.int32),
+                             persistent=False)
+        gen = torch.Generator().manual_seed(0)
+        self.mix = torch.nn.Parameter(torch.randn(256, 16, generator=gen), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = self.ple(ids)
+        words = rows.view(torch.int32)
+        bad = wrong_words(words, ids, self.cols)
+        consumed = (words[:, :256] & 0xFF).float() @ self.mix
+        t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+        nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
+        return bad, nxt, consumed
+
+
+def wrong_words(words: torch.Tensor, ids: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """How many int32 words differ from the pattern of the rows `ids` name (0 when right)."""
+    expect = ids.to(torch.int32)[:, None] * cols.shape[0] + cols
+    return (words != expect).sum()
+
+
+def first_ids(t: int, rows: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, rows, size=t, dtype=np.int64)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+# the engine loop ---------------------------------------------------------------------------
+class Engine:
+    """Posts each step through `WorkerPair.step`, closes the loop on the model's own ids."""
+
+    def __init__(self, pair: worker_pair.WorkerPair, model: torch.nn.Module, t: int,
+                 device: torch.device, seed: int = 1) -> None:
+        self.pair, self.model, self.t, self.device = pair, model, t, device
+        self.rows = model.rows if hasattr(model, "rows") else model._orig_mod.rows
+        self.ids = torch.from_numpy(first_ids(t, self.rows, seed)).to(device)
+        self.err = torch.zeros((), dtype=torch.int64, device=device)
+        self.steps = 0
+
+    def eager(self, n: int) -> int:
+        """n closed-loop steps, eager forward; returns the wrong words seen (0 expected)."""
+        for _ in range(n):
+            host = self.ids.cpu().numpy()  # the engine's read of the sampled ids (a sync)
+            with self.pair.step(host):
+                bad, nxt, _ = self.model(self.ids)
+            self.err += bad
+            self.ids = nxt
+            self.steps += 1
+        return int(self.err.item())
+
+    def capture(self, release_in_graph: bool = False) -> "GraphStep":
+        return GraphStep(self, release_in_graph)
+
+
+class GraphStep:
+    """One forward (optionally with its release) captured as a local forward, then replayed."""
+
+    def __init__(self, engine: Engine, release_in_graph: bool) -> None:
+        e = engine
+        self.engine = e
+        self.transport = e.pair.transport
+        self.ids = e.ids.clone()
+        self.host_ids = torch.empty(e.t, dtype=torch.int64, pin_memory=True)
+        self.err = torch.zeros((), dtype=torch.int64, device=e.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with e.pair.local_forward():
+            side = torch.cuda.Stream(e.device)
+            side.wait_stream(torch.cuda.current_stream(e.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up (eager local forwards: zero rows, no counter)
+                    e.model(self.ids)
+            torch.cuda.current_stream(e.device).wait_stream(side)
+            with torch.cuda.graph(self.graph):
+                bad, nxt, _ = e.model(self.ids)
+                self.err.add_(bad)
+                self.ids.copy_(nxt)
+                self.host_ids.copy_(nxt, non_blocking=True)
+                if release_in_graph:
+                    self.transport.capture_release()
+        self.record = self.transport.last_capture
+        self.err.zero_()
+        self.ids.copy_(e.ids)
+        self.host_ids.copy_(e.ids)
+        sync(e.device)
+
+    def run(self, n: int, *, stamps: list[float] | None = None) -> int:
+        """n closed-loop steps by replay; returns the wrong words seen (0 expected)."""
+        e, pair = self.engine, self.engine.pair
+        stream = torch.cuda.current_stream(e.device)
+        for _ in range(n):
+            stream.synchronize()  # the decode engine's wait for its sampled tokens
+            if stamps is not None:
+                stamps.append(time.perf_counter())
+            host = self.host_ids.numpy()
+            with pair.step(host):
+                self.transport.replayed(self.record)
+                self.graph.replay()
+            e.steps += 1
+        stream.synchronize()
+        if stamps is not None:
+            stamps.append(time.perf_counter())
+        e.ids.copy_(self.ids)
+        return int(self.err.item())
