@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ray_ple import worker_pair  # noqa: E402
-from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
-from ray_ple.geometry import LayerGeometry, PleGeometry  # noqa: E402
-from ray_ple.handles import PairHandle  # noqa: E402
-from ray_ple.table_store import TableSource  # noqa: E402
-from ray_ple.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
+from ray_ple import worker_pair
+from ray_ple.config import PleConfig, PleDeadlines
+from ray_ple.geometry import LayerGeometry, PleGeometry
+from ray_ple.handles import PairHandle
+from ray_ple.table_store import TableSource
+from ray_ple.vllm_plugin.layer import PleOffloadEmbedding
 
 LAYER = "model.embed_tokens_per_layer"
 TENSOR = "model.embed_tokens_per_layer.weight"
@@ -171,10 +171,9 @@ def sync(device: torch.device) -> None:
 class Engine:
     """Posts each step through `WorkerPair.step`, closes the loop on the model's own ids."""
 
-    def __init__(self, pair: worker_pair.WorkerPair, model: torch.nn.Module, t: int,
+    def __init__(self, pair: worker_pair.WorkerPair, model: Any, t: int, rows: int,
                  device: torch.device, seed: int = 1) -> None:
-        self.pair, self.model, self.t, self.device = pair, model, t, device
-        self.rows = model.rows if hasattr(model, "rows") else model._orig_mod.rows
+        self.pair, self.model, self.t, self.rows, self.device = pair, model, t, rows, device
         self.ids = torch.from_numpy(first_ids(t, self.rows, seed)).to(device)
         self.err = torch.zeros((), dtype=torch.int64, device=device)
         self.steps = 0
@@ -190,7 +189,7 @@ class Engine:
             self.steps += 1
         return int(self.err.item())
 
-    def capture(self, release_in_graph: bool = False) -> "GraphStep":
+    def capture(self, release_in_graph: bool = False) -> GraphStep:
         return GraphStep(self, release_in_graph)
 
 
@@ -243,3 +242,151 @@ class GraphStep:
             stamps.append(time.perf_counter())
         e.ids.copy_(self.ids)
         return int(self.err.item())
+
+
+# torch.compile across processes ------------------------------------------------------------
+def dynamo_graph(pair: worker_pair.WorkerPair, model: torch.nn.Module,
+                 ids: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """The FX graph Dynamo hands a backend (what vLLM compiles), traced as a local forward."""
+    seen: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen["gm"], seen["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    traced = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    with pair.local_forward():
+        traced(ids)
+    return seen["gm"], seen["inputs"]
+
+
+def load_artifact(model: torch.nn.Module, path: Path) -> Any:
+    """torch.compile whose backend loads the saved Inductor artefact instead of compiling."""
+    from torch._inductor import CompiledArtifact
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        art = CompiledArtifact.load(path=str(path), format="unpacked")
+        return lambda *args: art(*args)
+
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+
+def live_addresses(pair: worker_pair.WorkerPair) -> dict[str, int]:
+    """Every address of this process's pair a compile cache could have baked in."""
+    block, t = pair.block, pair.transport
+    base = block.segment.address()
+    out = {"segment": base}
+    for i, off in enumerate(block.layout.slot_offsets):
+        out[f"slot{i}"] = base + off
+    for i, off in enumerate(block.layout.flag_offsets):
+        out[f"flag{i}"] = base + off
+    reg = getattr(t, "registration", None)
+    if reg is not None:
+        out["device_segment"] = reg.device_ptr
+        for i, off in enumerate(block.layout.flag_offsets):
+            out[f"device_flag{i}"] = reg.device_ptr + off
+        for i, off in enumerate(block.layout.slot_offsets):
+            out[f"device_slot{i}"] = reg.device_ptr + off
+    return out
+
+
+def addresses_in(directory: Path, addresses: dict[str, int]) -> list[str]:
+    """Names of the addresses found in any file under `directory` (text, hex or raw bytes)."""
+    needles = {}
+    for name, a in addresses.items():
+        needles[name] = (str(a).encode(), hex(a).encode(), a.to_bytes(8, "little"))
+    found = set()
+    for f in directory.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            found.update(n for n, forms in needles.items() if any(x in data for x in forms))
+    return sorted(found)
+
+
+def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int) -> dict[str, Any]:
+    """`save`: compile + save + run; `load`: new process, new segment, load + run."""
+    import mmap
+    import secrets
+
+    import ray_ple.ops  # noqa: F401 - registers ray_ple::pull in this process
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    spacer = mmap.mmap(-1, (1 + secrets.randbelow(4096)) * mmap.PAGESIZE)  # shift the layout
+    geo = geometry(rows, max_tokens=max(t, 16))
+    off = OffloadProcess(work / "ckpt", geo, spin_us=1000 if cuda else 0)
+    try:
+        pair = attach(off.handle, geo, "cuda" if cuda else "cpu")
+        model = StandIn(rows).to(device)
+        artifact = work / "artifact"
+        ids = torch.from_numpy(first_ids(t, rows)).to(device)
+        result: dict[str, Any] = {"role": role, "pid": os.getpid(), "device": str(device)}
+        t0 = time.perf_counter()
+        if role == "save":
+            gm, inputs = dynamo_graph(pair, model, ids)
+            from torch._inductor import standalone_compile
+
+            art = standalone_compile(gm, inputs)
+            art.save(path=str(artifact), format="unpacked")
+            result["ops_in_graph"] = sum(1 for n in gm.graph.nodes
+                                         if "ray_ple" in str(n.target))
+            fn: Any = load_artifact(model, artifact)  # run what was saved, here too
+        else:
+            fn = load_artifact(model, artifact)
+        result["compile_or_load_s"] = round(time.perf_counter() - t0, 2)
+        engine = Engine(pair, fn, t, rows, device)
+        result["eager_wrong_words"] = engine.eager(steps)
+        if cuda:
+            graph = engine.capture()
+            result["graph_wrong_words"] = graph.run(steps)
+            result["graph_record"] = graph.record.model_dump() if graph.record else None
+        result["steps"] = engine.steps
+        result["counters"] = list(pair.block.counters()[::2])
+        addrs = live_addresses(pair)
+        result["addresses"] = {k: hex(v) for k, v in addrs.items()}
+        result["addresses_in_artifact"] = addresses_in(artifact, addrs)
+        if role == "load":
+            saved = json.loads((work / "save.json").read_text())["addresses"]
+            result["addresses_equal_to_saver"] = sorted(
+                k for k, v in result["addresses"].items() if saved.get(k) == v)
+        (work / f"{role}.json").write_text(json.dumps(result))
+        del spacer
+        return result
+    finally:
+        off.close()
+
+
+def geometry_mismatch_scenario(work: Path) -> None:
+    """Replay a graph captured for 8 tokens in a step that posted 16: must end the process."""
+    import ray_ple.ops  # noqa: F401
+
+    geo = geometry(4096, max_tokens=64)
+    off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
+    try:
+        pair = attach(off.handle, geo, "cuda")
+        engine = Engine(pair, StandIn(4096).cuda(), 8, 4096, torch.device("cuda"))
+        graph = engine.capture()
+        print(json.dumps({"captured_rows": graph.record.rows}), flush=True)
+        with pair.step(first_ids(16, 4096)):
+            pair.transport.replayed(graph.record)  # fatal: 8-row graph, 16-token step
+            graph.graph.replay()
+        print(json.dumps({"error": "mismatched replay was not stopped"}), flush=True)
+    finally:
+        off.close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch"])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
+    if a.scenario == "geometry-mismatch":
+        geometry_mismatch_scenario(a.work)
+        sys.exit(0)
+    res = compile_scenario(a.scenario.split("-")[1], a.work, a.rows, a.tokens, a.steps)
+    print(json.dumps(res), flush=True)

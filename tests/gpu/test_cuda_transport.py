@@ -1,0 +1,209 @@
+"""The CUDA transport on a real GPU, driven by the rig's engine loop (`cuda_rig.py`).
+
+Runs wherever CUDA is present (`scripts/gpu_device_run.sh` runs it on the lent H200 and keeps
+the output under `bench/cuda/results/`); elsewhere every CUDA test is skipped with the reason.
+The writer is always the project's offload actor in a separate CPU-only process.
+The two rig tests at the end run everywhere (CPU transport), so the rig itself stays honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_rig as rig
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here); "
+    "scripts/gpu_device_run.sh runs this module on the GPU machine")
+ROWS, MAX_TOKENS = 4096, 256
+RIG = Path(__file__).with_name("cuda_rig.py")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ple") / "ckpt"
+    rig.write_pattern_checkpoint(d, ROWS)
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpu(ckpt: Path) -> Iterator[tuple[rig.OffloadProcess, object]]:
+    """One offload process and this process's one CUDA pair, shared by the CUDA tests."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    import ray_ple.ops  # noqa: F401 - registers ray_ple::pull
+
+    geo = rig.geometry(ROWS, MAX_TOKENS)
+    off = rig.OffloadProcess(ckpt, geo, spin_us=2000)
+    try:
+        yield off, rig.attach(off.handle, geo, "cuda")
+    finally:
+        off.close()
+
+
+def _engine(pair, t: int, seed: int = 1) -> rig.Engine:
+    return rig.Engine(pair, rig.StandIn(ROWS).cuda(), t, ROWS, torch.device("cuda"), seed)
+
+
+@needs_cuda
+def test_setup_registers_the_pair_segment_and_checks_the_device(gpu) -> None:
+    _, pair = gpu
+    t = pair.transport
+    assert t.name == "cuda"
+    assert t.registration.size == pair.block.segment.size
+    assert t.caps.can_map_host_memory and t.caps.stream_mem_ops and t.caps.unified_addressing
+    assert t.registration.device_ptr != 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 7, 64, 256])
+def test_eager_closed_loop_rows_verified(gpu, t: int) -> None:
+    _, pair = gpu
+    before = pair.block.posted
+    engine = _engine(pair, t, seed=t)
+    assert engine.eager(500) == 0
+    assert pair.block.counters() == (before + 500, (before + 500,), before + 500)
+
+
+@needs_cuda
+@pytest.mark.parametrize("copy_mode", ["sm", "dma"])
+@pytest.mark.parametrize("t", [8, 256])
+def test_graph_closed_loop_rows_verified(gpu, t: int, copy_mode: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pair = gpu
+    monkeypatch.setattr(pair.transport, "options",
+                        pair.transport.options.model_copy(update={"copy_mode": copy_mode}))
+    before = pair.block.posted
+    graph = _engine(pair, t, seed=100 + t).capture()
+    assert pair.block.posted == before, "a capture must not post"
+    rec = graph.record
+    assert rec.rows == t and not rec.release
+    assert [(c.rows, c.nbytes, c.mode) for c in rec.copies] == [(t, t * 17920, copy_mode)]
+    assert graph.run(2000) == 0
+    assert pair.block.counters() == (before + 2000, (before + 2000,), before + 2000)
+
+
+@needs_cuda
+def test_whole_step_graph_carries_the_release(gpu) -> None:
+    _, pair = gpu
+    before = pair.block.posted
+    graph = _engine(pair, 16, seed=7).capture(release_in_graph=True)
+    assert graph.record.release
+    assert graph.run(2000) == 0
+    assert pair.block.counters() == (before + 2000, (before + 2000,), before + 2000)
+
+
+@needs_cuda
+def test_released_is_advanced_by_the_stream_itself(gpu) -> None:
+    _, pair = gpu
+    engine = _engine(pair, 4, seed=3)
+    s0 = pair.block.posted
+    host = engine.ids.cpu().numpy()
+    with pair.step(host):
+        torch.cuda._sleep(200_000_000)  # keep the stream busy for ~0.1 s before the forward
+        engine.model(engine.ids)
+    assert pair.block.released == s0, "the host must not have advanced released"
+    torch.cuda.synchronize()
+    assert pair.block.released == s0 + 1 and pair.block.flags[0][0] == 0
+
+
+@needs_cuda
+def test_local_forwards_move_no_word(gpu) -> None:
+    _, pair = gpu
+    before = pair.block.counters()
+    engine = _engine(pair, 32, seed=9)
+    with pair.local_forward():
+        bad, _, _ = engine.model(engine.ids)  # eager dummy run: zero rows, nothing posted
+    torch.cuda.synchronize()
+    zero_words = int((engine.ids == 0).sum())  # row 0, word 0 is the only zero of the table
+    assert int(bad) == 32 * 8960 // 2 - zero_words
+    engine.capture()
+    torch.cuda.synchronize()
+    assert pair.block.counters() == before and pair.block.flags[0][0] == 0
+
+
+@needs_cuda
+def test_offload_process_holds_no_cuda_context(gpu) -> None:
+    off, _ = gpu
+    st = off.status()
+    assert st["cuda_evidence"] == [] and not st["torch_imported"]
+    assert st["cuda_libraries_mapped"] == []
+    mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert any(p.startswith("/dev/nvidia") for p in mine), "control: this process has a context"
+    if shutil.which("nvidia-smi"):
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30,
+                              check=False).stdout.split()
+        assert str(off.pid) not in apps
+
+
+@needs_cuda
+def test_compiled_artifact_runs_in_a_new_process(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "ckpt").symlink_to(ckpt)
+    results = {}
+    for role in ("save", "load"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{role}")}
+        proc = subprocess.run([sys.executable, str(RIG), f"compile-{role}", str(tmp_path),
+                               "--steps", "1000"], capture_output=True, text=True, env=env, check=False,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[role] = json.loads(proc.stdout.strip().splitlines()[-1])
+    save, load = results["save"], results["load"]
+    assert save["ops_in_graph"] == 1
+    for r in (save, load):
+        assert r["eager_wrong_words"] == 0 and r["graph_wrong_words"] == 0
+        assert r["addresses_in_artifact"] == [], "a live address was baked into the artefact"
+    assert load["pid"] != save["pid"] and load["addresses_equal_to_saver"] == []
+
+
+@needs_cuda
+def test_graph_replayed_for_another_token_count_is_fatal(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "ckpt").symlink_to(ckpt)
+    proc = subprocess.run([sys.executable, str(RIG), "geometry-mismatch", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
+    verdicts = [json.loads(line) for line in proc.stderr.splitlines()
+                if '"verdict"' in line and line.startswith("{")]
+    assert verdicts and verdicts[0]["reason"] == "GEOMETRY" and verdicts[0]["where"] == "consumer"
+
+
+# the rig itself (runs everywhere) ----------------------------------------------------------
+def test_wrong_words_counts_a_single_flipped_word() -> None:
+    ids = torch.tensor([5, 0, 4095])
+    cols = torch.arange(8960 // 2, dtype=torch.int32)
+    words = ids.to(torch.int32)[:, None] * cols.shape[0] + cols
+    assert int(rig.wrong_words(words, ids, cols)) == 0
+    words[2, 17] ^= 1
+    assert int(rig.wrong_words(words, ids, cols)) == 1
+
+
+def test_rig_closed_loop_on_the_cpu_transport(ckpt: Path) -> None:
+    """The same engine loop and offload process, CPU transport, in a fresh process."""
+    code = (
+        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
+        "import cuda_rig as r; import ray_ple.ops; from pathlib import Path; "
+        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
+        "p = r.attach(o.handle, g, 'cpu'); "
+        f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu')); "
+        "print(json.dumps({'wrong': e.eager(200), 'c': list(p.block.counters()[::2]), "
+        "'st': o.status()})); o.close()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["wrong"] == 0 and out["c"] == [200, 200]
+    assert out["st"]["cuda_evidence"] == [] and not out["st"]["torch_imported"]
+
