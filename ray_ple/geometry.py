@@ -38,6 +38,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "model.language_model.embed_tokens_per_layer.weight",
         ),
     ),
+    # The released E2B/E4B checkpoints: served text-only through the same class (vLLM's
+    # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers).
+    "Gemma4ForConditionalGeneration": ArchSpec(
+        layer_name="model.embed_tokens_per_layer",
+        offload_arch="RayPleGemma4ForCausalLM",
+        checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
+    ),
 }
 
 

@@ -14,6 +14,6 @@ _MODULES = {"RayPleGemma4ForCausalLM": "ray_ple.vllm_plugin.gemma4:RayPleGemma4F
 def register() -> None:
     from vllm import ModelRegistry
 
-    for spec in ARCHITECTURES.values():
-        if spec.offload_arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(spec.offload_arch, _MODULES[spec.offload_arch])
+    for arch in {spec.offload_arch for spec in ARCHITECTURES.values()}:
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, _MODULES[arch])

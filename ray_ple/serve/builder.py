@@ -1,0 +1,104 @@
+"""The `serve run` builder: Ray Serve LLM's OpenAI app, each model with its PLE offload.
+
+Args are Ray Serve LLM's own (`llm_configs: [LLMConfig fields...]`) plus one `ple:` block per
+model. Everything is validated here, in the controller's build task, so a bad config is one
+clear error before any replica, actor or segment exists.
+"""
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from ray_ple.config import PleConfig
+from ray_ple.errors import PleConfigError
+from ray_ple.log import log_event
+from ray_ple.plan import plan_offload
+from ray_ple.serve.plan import ServerPlan
+from ray_ple.tiny_model import resolve
+
+SERVER_CLS = "ray_ple.serve.server:PleLLMServer"
+
+
+class PleAppArgs(BaseModel):
+    """`args:` of the application: Ray Serve LLM's serving args, `ple:` inside each model."""
+
+    model_config = ConfigDict(extra="forbid")
+    llm_configs: list[dict[str, Any]] = Field(min_length=1)
+    ingress_deployment_config: dict[str, Any] | None = None
+
+
+def _offload_bundles(llm: Any, ple: PleConfig, world_size: int) -> dict[str, Any]:
+    """Each worker's bundle also reserves its offload actor's CPUs (same bundle, same node)."""
+    pgc = dict(llm.placement_group_config or {})
+    kind = llm.accelerator_config.kind
+    base = pgc.get("bundle_per_worker")
+    bundles = pgc.get("bundles")
+    if bundles is not None:
+        if len(bundles) != world_size:
+            raise PleConfigError(f"placement_group_config.bundles has {len(bundles)} bundles for "
+                                 f"{world_size} engine workers; give one per worker")
+        out = [dict(b) for b in bundles]
+    else:
+        base = dict(base or ({"CPU": 1} if kind == "cpu" else {"GPU": 1}))
+        out = [dict(base) for _ in range(world_size)]
+    for b in out:
+        b["CPU"] = float(b.get("CPU", 0)) + ple.offload_num_cpus
+    return {"bundles": out, "strategy": pgc.get("strategy", "STRICT_PACK")}
+
+
+def offload_llm_config(entry: dict[str, Any]) -> Any:
+    """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
+    from ray.serve.llm import LLMConfig
+
+    entry = dict(entry)
+    ple = PleConfig.model_validate(entry.pop("ple", {}) or {})
+    llm = LLMConfig.model_validate(entry)
+    mlc = llm.model_loading_config
+    source = mlc.model_source or mlc.model_id
+    checkpoint = resolve(source)
+    fields = llm.model_dump(exclude_unset=True)
+    fields["model_loading_config"] = {**fields.get("model_loading_config", {}),
+                                      "model_source": checkpoint}
+    if not ple.enabled:
+        log_event("build_model", model_id=mlc.model_id, offload=False)
+        return LLMConfig.model_validate(fields)
+    kind = llm.accelerator_config.kind
+    if kind not in ("cpu", "gpu"):
+        raise PleConfigError(f"PLE offload runs on CPU or GPU engines, not {kind}")
+    transport = ple.transport if ple.transport != "auto" else ("cpu" if kind == "cpu" else "cuda")
+    if (transport == "cuda") != (kind == "gpu"):
+        raise PleConfigError(f"transport {transport!r} does not fit a {kind} engine")
+    plan = plan_offload(checkpoint, ple, llm.engine_kwargs, transport)
+    if llm.server_cls not in (None, SERVER_CLS):
+        raise PleConfigError("server_cls is set by ray-ple; subclass ray_ple.serve.server."
+                             "PleLLMServer instead")
+    runtime_env = dict(fields.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **plan.env}
+    server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
+                             transport=transport, world_size=plan.world_size,
+                             geometry=plan.geometry, sources=plan.sources)
+    fields.update(
+        engine_kwargs=plan.engine_kwargs,
+        runtime_env=runtime_env,
+        server_cls=SERVER_CLS,
+        placement_group_config=_offload_bundles(llm, ple, plan.world_size),
+        experimental_configs={**(fields.get("experimental_configs") or {}),
+                              **server_plan.to_experimental()},
+    )
+    log_event("build_model", model_id=mlc.model_id, offload=True, transport=transport,
+              world_size=plan.world_size, max_tokens=plan.geometry.max_tokens,
+              table_bytes=sum(g.table_bytes for g in plan.geometry.layers))
+    return LLMConfig.model_validate(fields)
+
+
+def build_app(args: PleAppArgs) -> Application:
+    """`import_path: ray_ple.serve:build_app`; returns Ray Serve LLM's OpenAI application."""
+    from ray.serve.llm import build_openai_app
+
+    args = PleAppArgs.model_validate(args) if isinstance(args, dict) else args
+
+    serving: dict[str, Any] = {"llm_configs": [offload_llm_config(e) for e in args.llm_configs]}
+    if args.ingress_deployment_config is not None:
+        serving["ingress_deployment_config"] = args.ingress_deployment_config
+    return build_openai_app(serving)
