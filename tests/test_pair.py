@@ -1,0 +1,74 @@
+"""The transaction between two real processes over real shared memory (no vLLM, no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_ple.fatal import EXIT_CODE, Reason
+from ray_ple.handles import PairHandle
+from ray_ple.layout import ControlBlock, State
+from ray_ple.shm import SharedSegment
+from tests.leftovers import ple_shm_entries
+from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    table = write_checkpoint(tmp_path / "ckpt", rows=500, layers=4, ple_dim=8)
+    return tmp_path / "ckpt", table
+
+
+def _peek(handle: dict) -> ControlBlock:
+    h = PairHandle.model_validate(handle)
+    return ControlBlock(SharedSegment.attach(h.segment), h.layout())
+
+
+def test_thousands_of_steps_rows_verified(ckpt, tmp_path):
+    path, table = ckpt
+    spec = spec_for(path, max_tokens=64)
+    rng = np.random.default_rng(1)
+    # ids beyond the PLE vocabulary and negative ids read row 0, as vLLM maps them
+    steps = [rng.integers(-3, 560, size=int(rng.integers(0, 65))).tolist() for _ in range(2000)]
+    off, handle, off_conn = start_offload(spec)
+    wproc, wconn = start_worker(handle, spec.geometry, steps, table, tmp_path)
+    status, bad = wconn.recv()
+    assert (status, bad) == ("done", 0)
+    block = _peek(handle)
+    assert block.counters() == (2000, (2000,), 2000)
+    assert block.state is State.READY
+    wconn.send("stop")
+    off_conn.send("stop")
+    wproc.join(10)
+    off.join(10)
+    assert ple_shm_entries() == []
+
+
+def test_counter_skip_is_fatal_for_the_offload_side(ckpt, tmp_path):
+    path, table = ckpt
+    spec = spec_for(path, max_tokens=16)
+    off, handle, _ = start_offload(spec)
+    wproc, wconn = start_worker(handle, spec.geometry, [[1, 2]] * 10, table, tmp_path, pause_at=5)
+    assert wconn.recv() == ("paused", 5)
+    block = _peek(handle)
+    block.posted = block.posted + 2  # a post that skips a step
+    off.join(10)
+    assert off.exitcode == EXIT_CODE
+    assert block.state is State.FAILED and block.reason == Reason.COUNTER_SKIP
+    wconn.send("go")  # the worker now sees FAILED (or the counters) and fails closed too
+    wproc.join(15)
+    assert wproc.exitcode == EXIT_CODE
+
+
+def test_worker_heartbeat_loss_ends_the_pair(ckpt, tmp_path):
+    path, table = ckpt
+    spec = spec_for(path, max_tokens=16, deadlines={"heartbeat_s": 0.5})
+    off, handle, _ = start_offload(spec)
+    wproc, wconn = start_worker(handle, spec.geometry, [[3]] * 4, table, tmp_path, pause_at=2)
+    assert wconn.recv() == ("paused", 2)
+    block = _peek(handle)  # the test holds the memory: it outlives both sides
+    wproc.kill()  # SIGKILL mid-run: its heartbeat stops
+    wproc.join(5)
+    off.join(10)
+    assert off.exitcode == EXIT_CODE
+    assert block.state is State.FAILED and block.reason == Reason.HEARTBEAT

@@ -1,0 +1,103 @@
+"""Every bad input is one clear error before anything is published (and nothing is left)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from ray_ple.config import PleConfig, PleDeadlines
+from ray_ple.errors import PleHandleError, PleModelError, PleShmError, PleTokenCountError
+from ray_ple.geometry import geometry_from_config, read_hf_config
+from ray_ple.handles import PairHandle
+from ray_ple.layout import ControlBlock, State
+from ray_ple.shm import SharedSegment, free_bytes
+from ray_ple.worker_pair import WorkerPair
+from tests.leftovers import ple_shm_entries
+from tests.rig import spec_for, start_offload, write_checkpoint
+
+
+def test_unknown_ple_keys_rejected():
+    with pytest.raises(ValidationError, match="enabeld"):
+        PleConfig.model_validate({"enabeld": True})
+    with pytest.raises(ValidationError, match="step_seconds"):
+        PleConfig.model_validate({"deadlines": {"step_seconds": 3}})
+
+
+def test_unknown_ple_keys_rejected_by_the_builder():
+    from ray_ple.serve.builder import offload_llm_config
+
+    with pytest.raises(ValidationError, match="offload_cpus"):
+        offload_llm_config({"model_loading_config": {"model_id": "x", "model_source": "/nope"},
+                            "ple": {"offload_cpus": 2}})
+
+
+def test_model_without_ple_table(tmp_path):
+    cfg = {"architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 2,
+           "hidden_size_per_layer_input": 0, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PleModelError, match="no PLE table"):
+        geometry_from_config(read_hf_config(tmp_path), max_tokens=16)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PleModelError, match="no PLE table ray-ple can offload"):
+        geometry_from_config(read_hf_config(tmp_path), max_tokens=16)
+
+
+@pytest.fixture()
+def live_pair(tmp_path):
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, rows=100)
+    spec = spec_for(path, max_tokens=16)
+    proc, handle, conn = start_offload(spec)
+    yield spec, handle
+    conn.send("stop")
+    proc.join(10)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda h: h["slots"][0].update(layer_name="model.other_table"), "layer names"),
+    (lambda h: h["slots"][0].update(row_bytes=h["slots"][0]["row_bytes"] * 2), "row_bytes"),
+    (lambda h: h["slots"][0].update(dtype="float16"), "dtype"),
+    (lambda h: h["slots"][0].update(slot_offset=h["slots"][0]["slot_offset"] + 4096),
+     "slot_offset"),
+    (lambda h: h["control"].update(max_tokens=32), "max_tokens"),
+    (lambda h: h.update(rank=1), "rank 1"),
+    (lambda h: h["segment"].update(token="0" * 32), "token"),
+    (lambda h: h["segment"].update(inode=h["segment"]["inode"] + 1), "inode"),
+    (lambda h: h.update(table_fingerprint="f" * 64), "fingerprint"),
+])
+def test_bad_handle_rejected_before_anything_is_published(live_pair, mutate, match):
+    spec, handle = live_pair
+    bad = json.loads(json.dumps(handle))
+    mutate(bad)
+    with pytest.raises(PleHandleError, match=match):
+        WorkerPair.attach(PairHandle.model_validate(bad), spec.geometry, rank=0, transport="cpu",
+                          deadlines=PleDeadlines(), heartbeat_s=1.0)
+    good = PairHandle.model_validate(handle)
+    block = ControlBlock(SharedSegment.attach(good.segment), good.layout())
+    assert block.state is State.INIT and block.counters() == (0, (0,), 0)
+
+
+def test_too_many_tokens_rejected_before_posting(live_pair):
+    spec, handle = live_pair
+    pair = WorkerPair.attach(PairHandle.model_validate(handle), spec.geometry, rank=0,
+                             transport="cpu", deadlines=PleDeadlines(), heartbeat_s=1.0)
+    with pytest.raises(PleTokenCountError, match="17 tokens"):
+        pair.worker.begin(np.arange(17, dtype=np.int32))
+    assert pair.block.counters() == (0, (0,), 0) and not pair.worker.in_flight
+    pair.close()
+
+
+def test_shm_too_small_for_the_slots(tmp_path):
+    too_big = free_bytes("/dev/shm") + (1 << 30)
+    with pytest.raises(PleShmError, match="too small"):
+        SharedSegment.create("pair", too_big)
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, rows=100)
+    # slots for 2**40 tokens: the offload side refuses at setup, before any handle exists
+    with pytest.raises(RuntimeError, match="PleShmError.*too small"):
+        start_offload(spec_for(path, max_tokens=1 << 40))
+    assert ple_shm_entries() == []

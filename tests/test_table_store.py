@@ -1,0 +1,59 @@
+"""One host copy of a table per node, shared by every holder, freed with the last one."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tests.leftovers import ple_shm_entries, shmem_bytes
+from tests.rig import spec_for, start_offload, write_checkpoint
+
+ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo
+
+
+def _table_inode(pid: int) -> set[int]:
+    """Inodes of the big shared mappings a process holds (the table is the biggest)."""
+    inodes = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if end - start >= ROWS * LAYERS * DIM * 2 and parts[4] != "0":
+                inodes.add(int(parts[4]))
+    return inodes
+
+
+def _wait_shmem(target: int, tol: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = shmem_bytes()
+        if abs(now - target) < tol:
+            return now
+        time.sleep(0.2)
+    return shmem_bytes()
+
+
+def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
+    table = ROWS * LAYERS * DIM * 2
+    base = shmem_bytes()
+    a, _, a_conn = start_offload(spec_for(path, max_tokens=8, rank=0))
+    after_one = shmem_bytes()
+    b, _, b_conn = start_offload(spec_for(path, max_tokens=8, rank=1))
+    after_two = shmem_bytes()
+    assert after_one - base > 0.9 * table, "the first holder loads the table"
+    assert after_two - after_one < 0.1 * table, "the second holder shares it"
+    assert _table_inode(a.pid) == _table_inode(b.pid) and _table_inode(a.pid)
+
+    os.kill(a.pid, 9)  # the loader dies; the copy stays with b and is still served
+    a.join(5)
+    c, _, c_conn = start_offload(spec_for(path, max_tokens=8, rank=2))
+    assert _table_inode(c.pid) == _table_inode(b.pid)
+    assert shmem_bytes() - after_two < 0.1 * table
+
+    for proc, conn in ((b, b_conn), (c, c_conn)):
+        conn.send("stop")
+        proc.join(10)
+    assert _wait_shmem(base, 0.1 * table) - base < 0.1 * table, "freed with its last holder"
+    assert ple_shm_entries() == []
