@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ray_ple.errors import PleEnvironmentError  # noqa: E402
-from ray_ple.shm import SharedSegment  # noqa: E402
-from ray_ple.transport.cuda_host import check, driver, memlock_limits, register_host  # noqa: E402
+from ray_ple.errors import PleEnvironmentError
+from ray_ple.shm import SharedSegment
+from ray_ple.transport.cuda_host import check, driver, memlock_limits, register_host
 
 CAP_IPC_LOCK = 14
 
@@ -69,6 +69,13 @@ def main() -> None:
     ap.add_argument("--uid", type=int, default=None, help="become this uid (and gid) first")
     ap.add_argument("--label", default="")
     a = ap.parse_args()
+    import numpy as np
+
+    try:  # load libcuda and every module now: another uid may not read this tree later
+        driver_version = check(driver().cuDriverGetVersion(), "cuDriverGetVersion")
+    except Exception as exc:  # noqa: BLE001 - no driver at all: say so and stop
+        print(json.dumps({"label": a.label, "error": f"no usable CUDA driver: {exc}"}))
+        return
     seg = SharedSegment.create("probe", a.bytes)
     if a.memlock_kib is not None:
         lim = a.memlock_kib * 1024
@@ -80,7 +87,7 @@ def main() -> None:
         os.setgid(a.uid)
         os.setuid(a.uid)
     out: dict = {"label": a.label, "bytes": seg.size, "uid": os.getuid(), "cap_eff": cap_eff(),
-                 "limits": memlock_limits()}
+                 "limits": memlock_limits(), "driver": driver_version}
     addr = seg.address()
     libc = ctypes.CDLL(None, use_errno=True)
     rc = libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(seg.size))
@@ -94,8 +101,6 @@ def main() -> None:
         dev = check(d.cuDeviceGet(0), "cuDeviceGet")
         ctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        import numpy as np
-
         keep = np.frombuffer(seg.map, dtype=np.uint8)
         t0 = time.perf_counter()
         reg = register_host(int(keep.ctypes.data), seg.size, keep, what="probe segment")

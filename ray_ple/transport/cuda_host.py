@@ -115,7 +115,11 @@ def device_caps(device: int) -> DeviceCaps:
 def ensure_context(device: int) -> None:
     """Make the device's primary context (the one torch uses) current on this thread."""
     d = driver()
-    check(d.cuInit(0), "cuInit")
+    try:
+        result = d.cuInit(0)
+    except Exception as exc:  # noqa: BLE001 - cuda-python raises when libcuda is missing
+        raise PleEnvironmentError(f"no NVIDIA driver library in this process: {exc}") from exc
+    check(result, "cuInit")
     ctx = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if int(ctx) == 0:
         dev = check(d.cuDeviceGet(device), "cuDeviceGet")

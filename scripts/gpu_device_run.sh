@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Run the CUDA transport's proof on a GPU machine: environment, memlock probes, the GPU test
+# module, and the benchmark. Everything goes to $OUT (default: bench/cuda/results/latest).
+#
+#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench]
+#
+# The machine needs python3 with torch (CUDA), cuda-python and numpy; pydantic and its pure
+# dependencies may be given as wheels in .whl/ (installed into a private --target, no index).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/cuda/results/latest}
+mkdir -p "$OUT"
+WHAT=${1:-all}
+export PYTHONUNBUFFERED=1
+if ! python3 -c 'import pydantic' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/ray-ple-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/ray-ple-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+stage() { echo; echo "=== $1 ($(date -u +%FT%TZ))"; }
+
+if [[ $WHAT == all || $WHAT == env ]]; then
+  stage env
+  {
+    date -u +%FT%TZ; uname -r; nproc; free -g | head -2; df -h /dev/shm | tail -1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+    python3 -c 'import sys, torch, numpy, pydantic; from importlib.metadata import version as v
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cuda-bindings", v("cuda-bindings"), "numpy", numpy.__version__, "pydantic", pydantic.__version__)'
+    echo "ulimit -l: $(ulimit -l)"; grep CapEff /proc/self/status
+  } 2>&1 | tee "$OUT/env.txt"
+fi
+
+if [[ $WHAT == all || $WHAT == memlock ]]; then
+  stage "memlock probes"
+  SLOTS=$(python3 -c 'import sys; sys.path.insert(0, "."); from ray_ple.layout import PairLayout
+print(PairLayout.compute(8192, (17920,)).size)')
+  TABLE=$((262144 * 17920 + 4096))
+  P="timeout 120 python3 bench/cuda/memlock_probe.py"
+  : > "$OUT/memlock.jsonl"
+  for B in "$SLOTS" "$TABLE"; do
+    $P --bytes "$B" --label "root, default limits" | tee -a "$OUT/memlock.jsonl"
+    (ulimit -l 64 && $P --bytes "$B" --label "root, ulimit -l 64") | tee -a "$OUT/memlock.jsonl"
+    $P --bytes "$B" --memlock-kib 64 --drop-ipc-lock \
+      --label "root without CAP_IPC_LOCK, memlock 64 KiB" | tee -a "$OUT/memlock.jsonl"
+    $P --bytes "$B" --memlock-kib 64 --uid 65534 \
+      --label "uid 65534, memlock 64 KiB" | tee -a "$OUT/memlock.jsonl"
+  done
+fi
+
+if [[ $WHAT == all || $WHAT == tests ]]; then
+  stage "GPU tests"
+  timeout 420 python3 -m pytest tests/gpu -v -rs -p no:cacheprovider --durations=0 2>&1 \
+    | tee "$OUT/pytest.txt"
+fi
+
+if [[ $WHAT == all || $WHAT == bench ]]; then
+  stage benchmark
+  timeout 400 python3 bench/cuda/bench_pull.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v '^{"ray_ple"' | tee "$OUT/bench.txt"
+  rm -rf /dev/shm/ray-ple-bench
+fi
+stage done
