@@ -147,6 +147,83 @@ class AheadGraph:
         return int(self.err.item())
 
 
+class AheadPlain:
+    """A_ahead: the same ids-from-host step as C_ahead, rows from the GPU table."""
+
+    def __init__(self, model: rig.StandIn, t: int) -> None:
+        self.model, self.t = model, t
+        self.staged = torch.zeros(t, dtype=torch.int64, pin_memory=True)
+        self.ids = torch.zeros(t, dtype=torch.int64, device="cuda")
+        self.err = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.ids.copy_(self.staged, non_blocking=True)
+            rows = model.ple(self.ids)
+            self.err.add_(rig.wrong_words(rows.view(torch.int32), self.ids, model.cols))
+        torch.cuda.synchronize()
+
+    def run(self, n: int, stamps: list[float], rng: np.random.Generator) -> int:
+        host, stream = self.staged.numpy(), torch.cuda.current_stream()
+        for _ in range(n):
+            ids = rng.integers(0, self.model.rows, size=self.t, dtype=np.int64)
+            stream.synchronize()
+            stamps.append(time.perf_counter())
+            host[:] = ids
+            self.graph.replay()
+        stream.synchronize()
+        stamps.append(time.perf_counter())
+        return int(self.err.item())
+
+
+def c_launch_first(graph: rig.GraphStep, n: int, stamps: list[float],
+                   parts: dict[str, list[float]] | None = None) -> int:
+    """C_loop with the replay enqueued before the post (the graph waits on the flag anyway)."""
+    pair, tr = graph.engine.pair, graph.transport
+    stream = torch.cuda.current_stream()
+    for _ in range(n):
+        stream.synchronize()
+        t0 = time.perf_counter()
+        stamps.append(t0)
+        host = graph.host_ids.numpy()
+        graph.graph.replay()
+        t1 = time.perf_counter()
+        with pair.step(host):
+            t2 = time.perf_counter()
+            tr.replayed(graph.record)
+        t3 = time.perf_counter()
+        if parts is not None:
+            parts["launch"].append(t1 - t0)
+            parts["post"].append(t2 - t1)
+            parts["release_enqueue"].append(t3 - t2)
+    stream.synchronize()
+    stamps.append(time.perf_counter())
+    return int(graph.err.item())
+
+
+def c_breakdown(graph: rig.GraphStep, n: int, stamps: list[float],
+                parts: dict[str, list[float]]) -> int:
+    """C_loop (post first) with host stamps: post, launch, release enqueue, wait for GPU."""
+    pair, tr = graph.engine.pair, graph.transport
+    stream = torch.cuda.current_stream()
+    for _ in range(n):
+        stream.synchronize()
+        t0 = time.perf_counter()
+        stamps.append(t0)
+        host = graph.host_ids.numpy()
+        with pair.step(host):
+            t1 = time.perf_counter()
+            tr.replayed(graph.record)
+            graph.graph.replay()
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        parts["post"].append(t1 - t0)
+        parts["launch"].append(t2 - t1)
+        parts["release_enqueue"].append(t3 - t2)
+    stream.synchronize()
+    stamps.append(time.perf_counter())
+    return int(graph.err.item())
+
+
 def d_loop(model: rig.StandIn, table_cpu: torch.Tensor, t: int, n: int,
            stamps: list[float], seed: int) -> int:
     """D: sync, read ids, CPU gather from the pageable table, pageable H2D, graph tail."""
@@ -219,7 +296,7 @@ def copy_section(pair: Any, t: int, reps: int, rows: int,
             torch.cuda.synchronize()
             fresh.append(e0.elapsed_time(e1) * 1e3)
             reread.append(e2.elapsed_time(e3) * 1e3)
-            if not torch.equal(out, again):
+            if not torch.equal(out.view(torch.int16), again.view(torch.int16)):
                 raise AssertionError("re-read differs from the pulled rows")
         nb = t * ROW_BYTES
         res[mode] = {
@@ -262,13 +339,30 @@ def bench_tokens(t: int, n: int, pair: Any, table_gpu: torch.Tensor, table_dev: 
         eng = rig.Engine(pair, rig.StandIn(rows).cuda(), t, rows, torch.device("cuda"), seed=t)
         measure(name, lambda s, e=eng, g=in_graph: e.capture(g).run(n + warm, stamps=s))
     tr.options = tr.options.model_copy(update={"copy_mode": "auto"})
+    parts: dict[str, dict[str, list[float]]] = {
+        k: {"post": [], "launch": [], "release_enqueue": []} for k in ("post_first", "lf")}
+    eng = rig.Engine(pair, rig.StandIn(rows).cuda(), t, rows, torch.device("cuda"), seed=t)
+    measure("C_loop_parts", lambda s: c_breakdown(eng.capture(), n + warm, s,
+                                                  parts["post_first"]))
+    eng = rig.Engine(pair, rig.StandIn(rows).cuda(), t, rows, torch.device("cuda"), seed=t)
+    measure("C_loop_lf", lambda s: c_launch_first(eng.capture(), n + warm, s, parts["lf"]))
+    row["host_parts_us"] = {k: {p: round(float(np.median(v[p][warm:])) * 1e6, 2) for p in v}
+                            for k, v in parts.items()}
+    model_aa = rig.StandIn(rows).cuda()
+    model_aa.ple = GpuTable(table_gpu)
+    a_ahead = AheadPlain(model_aa, t)
+    measure("A_ahead", lambda s: a_ahead.run(n + warm, s, rng))
     ahead = AheadGraph(pair, rig.StandIn(rows).cuda(), t)
     measure("C_ahead", lambda s: ahead.run(n + warm, s, rng))
     measure("D", lambda s: d_loop(rig.StandIn(rows).cuda(), table_cpu, t, min(n, 200) + warm,
                                   s, t))
     base = row["A"]["median_us"]
     for v in row.values():
-        v["added_vs_A_us"] = round(v["median_us"] - base, 2)
+        if "median_us" in v:
+            v["added_vs_A_us"] = round(v["median_us"] - base, 2)
+    row["C_ahead"]["added_vs_A_ahead_us"] = round(
+        row["C_ahead"]["median_us"] - row["A_ahead"]["median_us"], 2)
+    print(json.dumps({"T": t, "host_parts_us": row["host_parts_us"]}), flush=True)
     return row
 
 
@@ -332,14 +426,15 @@ def main() -> None:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    variants = ["A", "B", "C_loop", "C_loop_dma", "C_loop_sm", "C_loop_g", "C_ahead", "D"]
+    variants = ["A", "B", "C_loop", "C_loop_dma", "C_loop_sm", "C_loop_g", "C_loop_lf",
+                "A_ahead", "C_ahead", "D"]
     print("\nmedian step us (added vs A) | wrong words")
     print("T".rjust(5), *(v.rjust(16) for v in variants))
     for t, row in res["rows"].items():
         cells = [f"{row[v]['median_us']:.1f}({row[v]['added_vs_A_us']:+.1f})" if v in row else "-"
                  for v in variants]
         print(t.rjust(5), *(c.rjust(16) for c in cells),
-              "wrong=" + str(sum(row[v]["wrong_words"] for v in row)))
+              "wrong=" + str(sum(v["wrong_words"] for v in row.values() if "wrong_words" in v)))
     for c in res.get("copy", []):
         print(f"copy T={c['tokens']}: " + "  ".join(
             f"{m}: fresh {c[m]['fresh_GBps']} GB/s ({c[m]['fresh_us']} us), re-read "

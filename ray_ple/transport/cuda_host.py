@@ -117,7 +117,7 @@ def ensure_context(device: int) -> None:
     d = driver()
     try:
         result = d.cuInit(0)
-    except Exception as exc:  # noqa: BLE001 - cuda-python raises when libcuda is missing
+    except Exception as exc:
         raise PleEnvironmentError(f"no NVIDIA driver library in this process: {exc}") from exc
     check(result, "cuInit")
     ctx = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")

@@ -60,7 +60,6 @@ extern "C" __global__ void ple_release(unsigned char* base, u32 n_flags, u32 fla
     u64 r;
     asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(r) : "l"(base + released_off) : "memory");
     *(volatile u64*)(base + released_off) = r + 1ull;
-    __threadfence_system();
 }
 
 extern "C" __global__ void ple_gather_rows(const uint4* __restrict__ table,
