@@ -33,18 +33,27 @@ class OffloadPlan(BaseModel):
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 
 
-def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, Any],
-                 transport: str) -> OffloadPlan:
-    """Validate and derive; raises one clear `PleError` for any bad input."""
-    kw = dict(engine_kwargs)
+def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
+    """Slot rows (`max_tokens`), checked against the engine's parallelism and batch.
+
+    Needs no checkpoint, so manifests can be checked where the checkpoint does not exist.
+    """
     for key in ("pipeline_parallel_size", "data_parallel_size"):
-        if int(kw.get(key, 1)) != 1:
+        if int(engine_kwargs.get(key, 1)) != 1:
             raise PleConfigError(f"PLE offload supports tensor parallelism only ({key} must be 1)")
-    engine_max = kw.get("max_num_batched_tokens")
+    engine_max = engine_kwargs.get("max_num_batched_tokens")
     max_tokens = ple.max_tokens or engine_max or DEFAULT_MAX_TOKENS
     if engine_max is not None and engine_max > max_tokens:
         raise PleConfigError(f"max_num_batched_tokens={engine_max} exceeds ple.max_tokens="
                              f"{max_tokens}")
+    return max_tokens
+
+
+def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, Any],
+                 transport: str) -> OffloadPlan:
+    """Validate and derive; raises one clear `PleError` for any bad input."""
+    kw = dict(engine_kwargs)
+    max_tokens = slot_tokens(ple, kw)
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
                                     engine_dtype=kw.get("dtype"))

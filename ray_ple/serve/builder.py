@@ -13,7 +13,7 @@ from ray.serve import Application
 from ray_ple.config import PleConfig
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
-from ray_ple.plan import plan_offload
+from ray_ple.plan import plan_offload, slot_tokens
 from ray_ple.serve.plan import ServerPlan
 from ray_ple.tiny_model import resolve
 
@@ -47,6 +47,49 @@ def _offload_bundles(llm: Any, ple: PleConfig, world_size: int) -> dict[str, Any
     return {"bundles": out, "strategy": pgc.get("strategy", "STRICT_PACK")}
 
 
+def _transport(llm: Any, ple: PleConfig) -> str:
+    kind = llm.accelerator_config.kind
+    if kind not in ("cpu", "gpu"):
+        raise PleConfigError(f"PLE offload runs on CPU or GPU engines, not {kind}")
+    transport = ple.transport if ple.transport != "auto" else ("cpu" if kind == "cpu" else "cuda")
+    if (transport == "cuda") != (kind == "gpu"):
+        raise PleConfigError(f"transport {transport!r} does not fit a {kind} engine")
+    return transport
+
+
+def _check_server_cls(llm: Any) -> None:
+    if llm.server_cls not in (None, SERVER_CLS):
+        raise PleConfigError("server_cls is set by ray-ple; subclass ray_ple.serve.server."
+                             "PleLLMServer instead")
+
+
+def validate_args(args: PleAppArgs | dict[str, Any]) -> list[tuple[Any, PleConfig]]:
+    """Each model's `LLMConfig` (placed as `build_app` places it) and `ple:` block.
+
+    Reads no checkpoint: KubeRay manifests are checked where the checkpoint does not exist.
+    Everything else `build_app` would reject is one clear error here as well.
+    """
+    from ray.serve.llm import LLMConfig
+
+    args = PleAppArgs.model_validate(args) if isinstance(args, dict) else args
+    out = []
+    for entry in args.llm_configs:
+        entry = dict(entry)
+        ple = PleConfig.model_validate(entry.pop("ple", {}) or {})
+        llm = LLMConfig.model_validate(entry)
+        if ple.enabled:
+            _transport(llm, ple)
+            slot_tokens(ple, llm.engine_kwargs)
+            _check_server_cls(llm)
+            world_size = int(llm.engine_kwargs.get("tensor_parallel_size", 1))
+            llm = LLMConfig.model_validate({
+                **llm.model_dump(exclude_unset=True),
+                "placement_group_config": _offload_bundles(llm, ple, world_size)})
+        llm.get_engine_config()  # unknown engine arguments fail here
+        out.append((llm, ple))
+    return out
+
+
 def offload_llm_config(entry: dict[str, Any]) -> Any:
     """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
     from ray.serve.llm import LLMConfig
@@ -63,16 +106,9 @@ def offload_llm_config(entry: dict[str, Any]) -> Any:
     if not ple.enabled:
         log_event("build_model", model_id=mlc.model_id, offload=False)
         return LLMConfig.model_validate(fields)
-    kind = llm.accelerator_config.kind
-    if kind not in ("cpu", "gpu"):
-        raise PleConfigError(f"PLE offload runs on CPU or GPU engines, not {kind}")
-    transport = ple.transport if ple.transport != "auto" else ("cpu" if kind == "cpu" else "cuda")
-    if (transport == "cuda") != (kind == "gpu"):
-        raise PleConfigError(f"transport {transport!r} does not fit a {kind} engine")
+    transport = _transport(llm, ple)
     plan = plan_offload(checkpoint, ple, llm.engine_kwargs, transport)
-    if llm.server_cls not in (None, SERVER_CLS):
-        raise PleConfigError("server_cls is set by ray-ple; subclass ray_ple.serve.server."
-                             "PleLLMServer instead")
+    _check_server_cls(llm)
     runtime_env = dict(fields.get("runtime_env") or {})
     runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **plan.env}
     server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
