@@ -143,6 +143,10 @@ class OffloadActor:
                 fail_closed("offload", Reason.STEP_DEADLINE, block=b, rank=end.rank,
                             seq=end.last, detail=f"step not released within {cfg.deadlines.step_s}s")
             if spin_s and self._spin(end.last, spin_s):
+                step = end.next_step()  # serve at once: every check above ran just now
+                if step is not None:
+                    end.publish(step, self._gather_layer, names)
+                    published_at = time.monotonic_ns()
                 continue
             self._bell.wait(poll)
 
