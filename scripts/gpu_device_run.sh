@@ -60,4 +60,17 @@ if [[ $WHAT == all || $WHAT == bench ]]; then
     | grep -v '^{"ray_ple"' | tee "$OUT/bench.txt"
   rm -rf /dev/shm/ray-ple-bench
 fi
+
+if [[ $WHAT == all || $WHAT == bench-nt ]]; then
+  # the same, the offload process copying rows with non-temporal stores (glibc memmove of
+  # >= 16,449 B; a row is 17,920 B), so the GPU reads the fresh slot from DRAM, not from the
+  # writer's cache
+  stage "benchmark, offload with GLIBC_TUNABLES non-temporal rows"
+  NT=glibc.cpu.x86_non_temporal_threshold=16449
+  GLIBC_TUNABLES=$NT /lib64/ld-linux-x86-64.so.2 --list-tunables 2>&1 | grep non_temporal
+  timeout 400 python3 bench/cuda/bench_pull.py --out "$OUT/bench_nt.json" \
+    --offload-env GLIBC_TUNABLES=$NT ${BENCH_ARGS:-} 2>&1 | grep -v '^{"ray_ple"' \
+    | tee "$OUT/bench_nt.txt"
+  rm -rf /dev/shm/ray-ple-bench
+fi
 stage done

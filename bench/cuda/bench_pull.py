@@ -375,6 +375,8 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, default=5000)
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench"))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--offload-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of the offload process only (e.g. GLIBC_TUNABLES)")
     a = ap.parse_args()
     tokens = [int(x) for x in a.tokens.split(",")]
     max_tokens = max(tokens)
@@ -385,7 +387,8 @@ def main() -> None:
     res["table_write_s"] = round(time.perf_counter() - t0, 2)
     geo = rig.geometry(a.rows, max_tokens)
     t0 = time.perf_counter()
-    off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us)
+    off_env = dict(kv.split("=", 1) for kv in a.offload_env)
+    off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us, env=off_env)
     res["offload_setup_s"] = round(time.perf_counter() - t0, 2)
     try:
         pair = rig.attach(off.handle, geo, "cuda")

@@ -87,7 +87,8 @@ class OffloadProcess:
     """The project's offload actor in a separate CPU-only process (no torch, no CUDA)."""
 
     def __init__(self, checkpoint_dir: Path, geo: PleGeometry, *, spin_us: float = 0.0,
-                 shm_dir: str = "/dev/shm", actor_name: str = "gpu-rig-offload") -> None:
+                 shm_dir: str = "/dev/shm", actor_name: str = "gpu-rig-offload",
+                 env: dict[str, str] | None = None) -> None:
         cfg = PleConfig(transport="cuda", offload_spin_us=spin_us, shm_dir=shm_dir,
                         deadlines=deadlines())
         source = TableSource(checkpoint_dir=str(checkpoint_dir), tensor_names=(TENSOR,),
@@ -95,9 +96,9 @@ class OffloadProcess:
         spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
                 "sources": [source.model_dump(mode="json")],
                 "config": cfg.model_dump(mode="json")}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, str(OFFLOAD_PROC)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, text=True, env=full_env)
         reply = self._ask(json.dumps(spec))
         self.handle = PairHandle.model_validate(reply["handle"])
         self.pid = int(reply["pid"])
