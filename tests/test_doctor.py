@@ -1,0 +1,117 @@
+"""`ray-ple doctor`, run as a pod runs it: one line per check, exit 1 on any FAIL."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from ray_ple.doctor import DoctorArgs, check_host_memory, check_shm
+from ray_ple.quantity import GiB
+
+LINE = re.compile(r"^(PASS|WARN|FAIL) (memlock|shm|cuda|host-memory|table): \S.*$")
+pytestmark = pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="CPU machine checks")
+
+
+def doctor(*args: str, memlock: int | None = None) -> tuple[int, dict[str, str]]:
+    """Run `ray-ple doctor` in a fresh process; {check: status} from its lines."""
+    def limit() -> None:
+        if memlock is not None:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
+
+    proc = subprocess.run([sys.executable, "-m", "ray_ple.cli", "doctor", *args], check=False,
+                          capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    lines = proc.stdout.splitlines()
+    assert lines and all(LINE.match(line) for line in lines), proc.stdout + proc.stderr
+    statuses = {line.split()[1].rstrip(":"): line.split()[0] for line in lines}
+    assert len(statuses) == len(lines), "one line per check"
+    return proc.returncode, statuses
+
+
+def _free_shm() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def test_cpu_pod_passes_with_its_budget():
+    rc, got = doctor("--transport", "cpu", "--table-bytes", "20480", "--pair-bytes", "24576",
+                     "--object-store-bytes", "64Mi")
+    assert rc == 0 and got == {"memlock": "PASS", "shm": "PASS", "cuda": "PASS",
+                               "host-memory": "PASS"}
+
+
+def test_table_larger_than_free_memory_fails():
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal"))
+    rc, got = doctor("--transport", "cpu", "--table-bytes", str(total + GiB))
+    assert rc == 1 and got["host-memory"] == "FAIL" and got["shm"] == "FAIL"
+
+
+def test_shm_smaller_than_table_slots_and_object_store_fails():
+    rc, got = doctor("--transport", "cpu", "--table-bytes", "1Mi",
+                     "--object-store-bytes", str(_free_shm() + GiB))
+    assert rc == 1 and got["shm"] == "FAIL" and got["host-memory"] == "PASS"
+
+
+def test_missing_shm_dir_fails():
+    rc, got = doctor("--transport", "cpu", "--shm-dir", "/nonexistent-ray-ple-shm")
+    assert rc == 1 and got["shm"] == "FAIL"
+
+
+def test_cuda_transport_without_a_gpu_fails():
+    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    rc, got = doctor("--transport", "cuda", "--pair-bytes", "1Mi", memlock=hard)
+    assert rc == 1 and got["cuda"] == "FAIL"
+    assert got["memlock"] == ("PASS" if hard >= (1 << 20) + 4096 else "FAIL")
+
+
+def test_cuda_memlock_below_the_pair_segment_fails():
+    rc, got = doctor("--transport", "cuda", "--pair-bytes", "176201728", memlock=64 * 1024)
+    assert rc == 1 and got["memlock"] == "FAIL"
+
+
+def test_cpu_transport_needs_no_memlock():
+    rc, got = doctor("--transport", "cpu", "--pair-bytes", "176201728", memlock=64 * 1024)
+    assert rc == 0 and got["memlock"] == "PASS"
+
+
+def test_checkpoint_table_checked_against_its_budget(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 2, "vocab_size": 256,
+        "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16}))
+    need = 4096 + 256 * 2 * 16 * 2
+    rc, got = doctor("--transport", "cpu", "--table-bytes", str(need),
+                     "--checkpoint", str(tmp_path), "--dtype", "bfloat16")
+    assert rc == 0 and got["table"] == "PASS"
+    rc, got = doctor("--transport", "cpu", "--table-bytes", str(need - 1),
+                     "--checkpoint", str(tmp_path), "--dtype", "bfloat16")
+    assert rc == 1 and got["table"] == "FAIL"
+    rc, got = doctor("--transport", "cpu", "--checkpoint", str(tmp_path / "absent"))
+    assert rc == 1 and got["table"] == "FAIL"
+
+
+def test_doctor_loads_no_cuda_and_no_torch_on_a_cpu_machine():
+    code = ("import sys; from ray_ple.cli import main; rc = main(['doctor']); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('cuda', 'torch', 'vllm', 'ray')); print('LOADED', bad); "
+            "print('MAPPED', 'libcuda' in open('/proc/self/maps').read()); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LOADED []" in proc.stdout and "MAPPED False" in proc.stdout
+
+
+def test_numbers_are_the_machines():
+    """The lines carry this machine's real free space, not a constant."""
+    args = DoctorArgs(table_bytes=0, object_store_bytes=0)
+    shm, mem = check_shm(args), check_host_memory(args)
+    assert shm.status == "PASS" and mem.status == "PASS"
+    st = os.statvfs("/dev/shm")
+    size_gib = st.f_blocks * st.f_frsize / GiB
+    assert f"of {size_gib:.2f} GiB" in shm.detail
