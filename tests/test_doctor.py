@@ -69,9 +69,10 @@ def test_cuda_transport_without_a_gpu_fails():
     assert got["memlock"] == ("PASS" if hard >= (1 << 20) + 4096 else "FAIL")
 
 
-def test_cuda_memlock_below_the_pair_segment_fails():
+def test_cuda_memlock_below_the_pair_segment_without_a_gpu_warns():
+    """Below the pair segment the memlock check needs a GPU to try a registration."""
     rc, got = doctor("--transport", "cuda", "--pair-bytes", "176201728", memlock=64 * 1024)
-    assert rc == 1 and got["memlock"] == "FAIL"
+    assert rc == 1 and got["memlock"] == "WARN" and got["cuda"] == "FAIL"
 
 
 def test_cpu_transport_needs_no_memlock():
