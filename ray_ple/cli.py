@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", help="engine dtype, for --checkpoint")
     d.set_defaults(run=_doctor)
 
-    r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/clusters.yaml + serve_configs/")
+    r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/spec/clusters.yaml + serve_configs/")
     r.add_argument("--root", default=".", help="project root (default: here)")
     r.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     r.set_defaults(run=_render_k8s)

@@ -1,6 +1,6 @@
 """Kubernetes-style quantities ("5Gi", "176Mi", "500m", "4") to numbers, and back.
 
-Manifests, `k8s/clusters.yaml` and `ray-ple doctor` flags all speak this one notation, so a
+Manifests, `k8s/spec/clusters.yaml` and `ray-ple doctor` flags all speak this one notation, so a
 number read from a manifest can be compared with a number the arithmetic derived.
 """
 

@@ -11,7 +11,7 @@ Per pod (one Ray node: its own /dev/shm and network namespace, so one PLE table 
                     + replicas x KV cache in host memory (CPU engines) + system
     memlock       = one pair segment + a page, per GPU worker process (what it page-locks)
 
-Everything but the estimates in `k8s/clusters.yaml` comes from the serve config and the
+Everything but the estimates in `k8s/spec/clusters.yaml` comes from the serve config and the
 checkpoint's geometry, through the same functions `build_app` uses.
 """
 
@@ -131,7 +131,7 @@ def checkpoint_config(model_source: str, model_id: str,
                 "vocab_size_per_layer_input": s.vocab_size_per_layer_input,
                 "hidden_size_per_layer_input": s.hidden_size_per_layer_input}
     if model_id not in declared:
-        raise PleConfigError(f"k8s/clusters.yaml gives no checkpoint_configs[{model_id!r}]: the "
+        raise PleConfigError(f"k8s/spec/clusters.yaml gives no checkpoint_configs[{model_id!r}]: the "
                              f"checkpoint {model_source} is not here to read its table size")
     return declared[model_id]
 

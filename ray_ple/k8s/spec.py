@@ -1,4 +1,4 @@
-"""`k8s/clusters.yaml`: what a manifest needs that no serve config says.
+"""`k8s/spec/clusters.yaml`: what a manifest needs that no serve config says.
 
 Everything derivable (placement bundles, offload CPUs, table and slot bytes, KV cache on CPU,
 replica counts) comes from the serve config; this file holds only the cluster's choices
@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-SPEC_PATH = Path("k8s") / "clusters.yaml"
+SPEC_PATH = Path("k8s") / "spec" / "clusters.yaml"
 
 
 class _Strict(BaseModel):
@@ -29,7 +29,7 @@ class HeadSpec(_Strict):
 
 
 class WorkerEstimates(_Strict):
-    """Per worker pod; what no config can state (see the reasons in `k8s/clusters.yaml`)."""
+    """Per worker pod; what no config can state (see the reasons in `k8s/spec/clusters.yaml`)."""
 
     engine_host_per_worker: str = Field(description="host RSS of the replica, EngineCore and "
                                         "worker processes, per engine worker")
