@@ -1,0 +1,86 @@
+"""Helpers for tests that run the real `serve run` command and talk to its OpenAI API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = "http://127.0.0.1:8000"
+
+
+def load_config(name: str = "ple.yaml") -> dict[str, Any]:
+    return yaml.safe_load((REPO / "serve_configs" / name).read_text())
+
+
+class ServeRun:
+    """`serve run <config>` as a user types it, in its own process group and Ray cluster."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        serve_bin = Path(sys.executable).with_name("serve")
+        self.log = log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen(
+            [str(serve_bin), "run", str(config)], cwd=REPO, stdout=self._out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "RAY_ADDRESS": "local", **(env or {})})
+
+    def wait_ready(self, model: str, timeout: float = 420) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited: {self.log.read_text()[-4000:]}")
+            try:
+                r = requests.post(f"{BASE}/v1/completions", timeout=10, json={
+                    "model": model, "prompt": "w5", "max_tokens": 1})
+                if r.status_code == 200:
+                    return time.monotonic() - t0
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"{model} not served in {timeout}s: {self.log.read_text()[-4000:]}")
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"],
+                       capture_output=True, env={**os.environ, "RAY_ADDRESS": ""})
+        self._out.close()
+
+
+def complete(model: str, prompt: list[int] | str, max_tokens: int = 8, **extra: Any) -> dict:
+    r = requests.post(f"{BASE}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def offload_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "OffloadActor" in " ".join(p.info["cmdline"] or [])]
+
+
+def table_mappings(pid: int) -> set[tuple[str, str]]:
+    """(inode, path) of the node-table segments a process maps."""
+    out = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and "ray-ple-table-" in parts[5]:
+                out.add((parts[4], parts[5].strip()))
+    return out
