@@ -40,6 +40,8 @@ class Reason(enum.IntEnum):
     NO_TRANSACTION = 14
     STATE = 15
     GEOMETRY = 16
+    PEER_STOPPED = 17
+    PUBLISH_DEADLINE = 18
 
 
 def mark_failed(block: "ControlBlock | None", reason: Reason) -> None:

@@ -25,6 +25,7 @@ LAYOUT_VERSION = 1
 MAGIC = 0x31454C505941522E  # ".RAYPLE1"
 _HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_layers, max_tokens, token, fingerprint
 STATE_OFF, HB_WORKER_OFF, HB_OFFLOAD_OFF, POSTED_OFF, RELEASED_OFF = 128, 192, 256, 320, 384
+WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF = 448, 512, 576
 LAYERS_OFF, LAYER_STRIDE = 1024, 128
 MAX_LAYERS = (PAGE - LAYERS_OFF) // LAYER_STRIDE
 
@@ -91,6 +92,9 @@ class ControlBlock:
         self._hb_offload = _u64(buf, HB_OFFLOAD_OFF)
         self._posted = _u64(buf, POSTED_OFF)
         self._released = _u64(buf, RELEASED_OFF)
+        self._worker_pid = _u64(buf, WORKER_PID_OFF)
+        self._post_ns = _u64(buf, POST_NS_OFF)
+        self._publish_ns = _u64(buf, PUBLISH_NS_OFF)
         self._count = _u32(buf, layout.count_offset)
         self.ids = np.ndarray((layout.max_tokens,), np.int32, buf, layout.ids_offset)
         self.flags = [_u32(buf, off) for off in layout.flag_offsets]
@@ -156,6 +160,21 @@ class ControlBlock:
 
     def heartbeat(self, side: str) -> int:
         return int((self._hb_worker if side == "worker" else self._hb_offload)[0])
+
+    @property
+    def worker_pid(self) -> int:
+        return int(self._worker_pid[0])
+
+    @worker_pid.setter
+    def worker_pid(self, v: int) -> None:
+        self._worker_pid[0] = v
+
+    def stamp(self, side: str, now_ns: int) -> None:
+        """Monotonic time of the last post (worker) or publish (offload)."""
+        (self._post_ns if side == "worker" else self._publish_ns)[0] = now_ns
+
+    def stamps(self) -> tuple[int, int]:
+        return int(self._post_ns[0]), int(self._publish_ns[0])
 
     def counters(self) -> tuple[int, tuple[int, ...], int]:
         """(posted, published per layer, released), read released first (it moves last)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ray_ple import faults
 from ray_ple.config import PleConfig
 from ray_ple.cuda_guard import cuda_evidence, hide_cuda
 from ray_ple.doorbell import DoorbellListener
@@ -85,6 +86,8 @@ class OffloadActor:
     def setup(self) -> dict[str, Any]:
         """Hold the node tables, create the pair segment, start serving; return the handle."""
         spec, cfg = self.spec, self.spec.config
+        if faults.ACTIVE and faults.hit("offload.die_during_setup", spec.rank):
+            os._exit(1)
         sweep_orphans(cfg.shm_dir)
         self.tables = [acquire_table(src, shm_dir=cfg.shm_dir,
                                      deadline_s=cfg.deadlines.startup_s) for src in spec.sources]
@@ -108,6 +111,9 @@ class OffloadActor:
             fingerprint=fp, geometry=spec.geometry, layout=layout)
         log_event("offload_ready", rank=spec.rank, layers=list(spec.geometry.layer_names),
                   segment_bytes=layout.size)
+        if faults.ACTIVE and faults.hit("offload.corrupt_handle", spec.rank):
+            handle = handle.model_copy(update={"segment": handle.segment.model_copy(
+                update={"token": "0" * 32})})
         return handle.model_dump()
 
     # serving ----------------------------------------------------------------------------

@@ -90,13 +90,6 @@ class PairSet:
         return [PairStatus.model_validate(s) for s in
                 ray.get([a.status.remote() for a in self.actors], timeout=timeout_s)]
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Mark every pair CLOSED so that an orderly stop is not mistaken for a fault."""
-        try:
-            ray.get([a.close.remote() for a in self.actors], timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - dead actors need no closing
-            pass
-
     def kill(self) -> None:
         for actor in self.actors:
             try:

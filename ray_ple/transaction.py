@@ -23,12 +23,14 @@ ends the replica through `fail_closed`. Nothing is ever retried, reset or contin
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import NoReturn
 
 import numpy as np
 
+from ray_ple import faults
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleTokenCountError
 from ray_ple.fatal import Reason, fail_closed
@@ -98,7 +100,12 @@ class WorkerEnd:
         b.token_count = t
         b.ids[:t] = ids
         s = self.step + 1
-        b.posted = s  # x86-64 TSO: the stores above are visible before this one
+        fault = faults.ACTIVE and _worker_fault(self.rank)
+        b.stamp("worker", time.monotonic_ns())
+        if not fault or fault.point not in ("worker.lost_post", "worker.skip_post"):
+            b.posted = s  # x86-64 TSO: the stores above are visible before this one
+        elif fault.point == "worker.skip_post":
+            b.posted = s + 1
         self.step, self.in_flight = s, True
         return s
 
@@ -147,11 +154,38 @@ class OffloadEnd:
         if not 0 <= t <= b.layout.max_tokens:
             self._fail(Reason.TOKEN_COUNT, f"step {step} has {t} tokens")
         ids = b.ids[:t]
+        fault = faults.ACTIVE and _offload_fault(self.rank, b, ids, gather)
         for i, flag in enumerate(b.flags):
             if not wait_word(lambda f=flag: int(f[0]), 0, self.deadlines.offload_wait_s):
                 self._fail(Reason.OFFLOAD_WAIT, f"flag of step {step - 1} never reset",
                            layer=names[i])
             gather(i, ids, b.slots[i][:t])
-            b.set_published(i, step)
+            b.set_published(i, step - 1 if fault else step)
             flag[0] = 1  # x86-64 TSO: rows and `published` are visible before the flag
+        b.stamp("offload", time.monotonic_ns())
         self.last = step
+
+
+# Test-only cut points (ray_ple.faults); never reached unless a fault plan is armed. -------
+def _worker_fault(rank: int) -> faults.Fault | None:
+    for point in ("worker.raise_before_post", "worker.lost_post", "worker.skip_post"):
+        fault = faults.hit(point, rank)
+        if fault is not None and point == "worker.raise_before_post":
+            raise RuntimeError(f"injected fault {fault.id}: exception before post")
+        if fault is not None:
+            return fault
+    return None
+
+
+def _offload_fault(rank: int, block: ControlBlock, ids: np.ndarray,
+                   gather: Callable[[int, np.ndarray, np.ndarray], None]) -> bool:
+    """Park, die mid-gather, or (True) publish a stale counter, as the plan says."""
+    if (fault := faults.hit("offload.park_before_publish", rank)) is not None:
+        time.sleep(fault.arg or 1e9)
+    if faults.hit("offload.truncate_segment", rank) is not None:
+        os.ftruncate(block.segment.fd, 0)  # every mapper faults on its next touch
+    if faults.hit("offload.die_mid_gather", rank) is not None:
+        half = ids.shape[0] // 2
+        gather(0, ids[:half], block.slots[0][:half])
+        os._exit(1)
+    return faults.hit("offload.repeat_publish", rank) is not None

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ray_ple import faults
 from ray_ple.config import PleDeadlines
 from ray_ple.doorbell import Doorbell
 from ray_ple.errors import PleHandleError
@@ -67,6 +68,7 @@ class WorkerPair:
             segment.close()
             raise
         block.beat("worker", time.monotonic_ns())
+        block.worker_pid = os.getpid()
         block.set_state(State.READY)
         pair._beater.start()
         log_event("pair_attached", rank=rank, layers=list(handle.layer_names),
@@ -74,8 +76,14 @@ class WorkerPair:
         return pair
 
     def _beat(self) -> None:
+        """Beat, and fail closed here if the offload side stopped beating."""
+        stale_ns = int(self.worker.deadlines.heartbeat_s * 1e9)
         while not self._stop.wait(self._heartbeat_s):
-            self.block.beat("worker", time.monotonic_ns())
+            now = time.monotonic_ns()
+            self.block.beat("worker", now)
+            if self.block.state is State.READY and now - self.block.heartbeat("offload") > stale_ns:
+                fail_closed("worker", Reason.HEARTBEAT, block=self.block, rank=self.worker.rank,
+                            seq=self.worker.step, detail="offload heartbeat stopped")
 
     @contextmanager
     def step(self, host_ids: np.ndarray) -> Iterator[int]:
@@ -84,12 +92,23 @@ class WorkerPair:
         self._bell.ring()
         self.mode = Mode.STEP
         try:
+            if faults.ACTIVE and faults.hit("worker.raise_after_post", self.worker.rank):
+                raise RuntimeError("injected fault: exception after post")
             yield s
         except BaseException as exc:  # noqa: BLE001 - abandoned forward: fail closed
             self.worker.abandon(f"forward of step {s} raised {type(exc).__name__}: {exc}")
         self.mode = Mode.IDLE
+        if faults.ACTIVE:
+            self._release_faults(s)
         self.transport.release(s)
         self.worker.released(s)
+
+    def _release_faults(self, s: int) -> None:
+        """Test-only cut points between the forward and its release."""
+        if (fault := faults.hit("worker.stall_before_release", self.worker.rank)) is not None:
+            time.sleep(fault.arg or 1e9)
+        if faults.hit("worker.corrupt_released", self.worker.rank) is not None:
+            self.block.released = s + 7
 
     @contextmanager
     def local_forward(self) -> Iterator[None]:

@@ -1,8 +1,9 @@
 """`LLMServer` with its offload actors: created, exchanged and validated before the engine.
 
-`start()` builds the pairs in the replica's own placement group (worker rank r and its
-offload actor share bundle r), hands the handles to the engine out of band, starts the
-engine, and checks that every worker attached. `check_health()` folds the pairs' state in.
+`start()` asks this replica's supervisor (a detached actor on the replica's node) to build the
+pairs in the replica's own placement group (worker rank r and its offload actor share bundle
+r), hands the handles to the engine out of band, starts the engine, and has the supervisor
+confirm that every worker attached. `check_health()` reports the supervisor's verdict.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from typing import Any
 
 import ray
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ple.errors import PleError
-from ray_ple.layout import State
 from ray_ple.log import log_event
-from ray_ple.pairs import PairSet
 from ray_ple.serve.plan import ServerPlan
+from ray_ple.supervisor import Supervisor, SupervisorSpec
 from ray_ple.tiny_model import resolve
+
+HEALTH_TIMEOUT_S = 5.0
 
 
 def _replica_tag() -> str:
@@ -33,7 +36,7 @@ def _replica_tag() -> str:
 
 
 class PleLLMServer(LLMServer):
-    pairs: PairSet | None = None
+    supervisor: Any = None
 
     async def start(self) -> None:
         plan = ServerPlan.from_experimental(self._llm_config.experimental_configs)
@@ -41,36 +44,38 @@ class PleLLMServer(LLMServer):
             return await super().start()
         if resolve(plan.model_source) != plan.checkpoint_dir:
             raise PleError(f"{plan.model_source} resolves to another checkpoint on this node")
-        pg = ray.util.get_current_placement_group()
+        ctx = ray.get_runtime_context()
         tag = _replica_tag()
-        self.pairs = PairSet(plan.ple, plan.geometry, plan.sources, tag=tag)
-        await asyncio.to_thread(self.pairs.start, plan.world_size, pg,
-                                list(range(plan.world_size)))
-        os.environ.update(self.pairs.env())
-        await super().start()
-        statuses = await asyncio.to_thread(self.pairs.statuses)
-        not_ready = [s.rank for s in statuses if s.state != State.READY.name]
-        if not_ready:
-            raise PleError(f"engine started but workers {not_ready} never attached to their pairs")
-        log_event("replica_ready", tag=tag, world_size=plan.world_size,
-                  offload_pids=[s.pid for s in statuses])
+        spec = SupervisorSpec(tag=tag, ple=plan.ple, geometry=plan.geometry,
+                              sources=plan.sources, world_size=plan.world_size,
+                              replica_pid=os.getpid())
+        self.supervisor = ray.remote(Supervisor).options(
+            name=f"ray-ple-supervisor-{tag}", lifetime="detached", num_cpus=0,
+            max_concurrency=4, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False),
+        ).remote(spec.model_dump(), ctx.current_actor, ray.util.get_current_placement_group())
+        try:
+            os.environ.update(await self.supervisor.start_pairs.remote())
+            await super().start()
+            workers = await self.supervisor.engine_started.remote()
+        except BaseException:
+            self.supervisor.close.remote()
+            raise
+        log_event("replica_ready", replica=tag, world_size=plan.world_size, worker_pids=workers)
 
     async def check_health(self) -> None:
-        if self.pairs is not None:
-            statuses = await asyncio.to_thread(self.pairs.statuses)
-            bad = [(s.rank, s.state, s.reason) for s in statuses if s.state != State.READY.name]
-            if bad:
-                raise RuntimeError(f"ray-ple pairs lost correspondence: {bad}")
+        if self.supervisor is not None:
+            verdict = await asyncio.wait_for(self.supervisor.verdict.remote(), HEALTH_TIMEOUT_S)
+            if verdict is not None:
+                raise RuntimeError(f"ray-ple supervisor ended this replica: {verdict['reason']}"
+                                   f" ({verdict['detail']})")
         await super().check_health()
 
     async def __del__(self) -> None:
-        """Orderly stop: pairs CLOSED (no verdict), engine down, then the actors."""
-        if self.pairs is not None:
-            await asyncio.to_thread(self.pairs.close)
+        """Orderly stop: the supervisor closes the pairs (no verdict), then the engine goes."""
+        if self.supervisor is not None:
+            try:
+                await asyncio.wait_for(self.supervisor.close.remote(), HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead supervisor has nothing left to close
+                pass
         await super().__del__()
-        if self.pairs is not None:
-            self.pairs.kill()
-
-    def ple_status(self) -> list[dict[str, Any]]:
-        """Pair snapshots (for operators and tests)."""
-        return [] if self.pairs is None else [s.model_dump() for s in self.pairs.statuses()]

@@ -1,0 +1,108 @@
+"""Test-only fault injection: named cut points, inert unless `RAY_PLE_FAULTS_FILE` is set.
+
+The file holds a `FaultPlan` (JSON). Every process that reaches a cut point counts its hits
+per fault; the fault fires at hit number `at` on the matching rank, once across the whole
+cluster (a marker file next to the plan is claimed with O_EXCL and records when it fired).
+The plan is re-read when the file changes, so a test can arm faults in a running service.
+When the variable is unset, every call site costs one module-level boolean check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ray_ple.log import log_event
+
+ENV = "RAY_PLE_FAULTS_FILE"
+
+CutPoint = Literal[
+    # worker side, around the post and the release
+    "worker.raise_before_post",  # the forward fails before anything is posted
+    "worker.raise_after_post",  # posted, then the forward is abandoned
+    "worker.lost_post",  # ids written, `posted` never stored
+    "worker.skip_post",  # `posted` jumps by two
+    "worker.stall_before_release",  # the consumer hangs before releasing (arg: seconds)
+    "worker.corrupt_released",  # `released` written wrong
+    # offload side, around the gather and the publish
+    "offload.park_before_publish",  # gathered nothing, parked (arg: seconds)
+    "offload.die_mid_gather",  # half the rows written, then the process dies
+    "offload.repeat_publish",  # flag raised with a stale `published`
+    "offload.corrupt_handle",  # setup hands out a handle with a wrong token
+    "offload.die_during_setup",  # the process dies while setting up
+    "offload.truncate_segment",  # the pair segment's memory is taken away under a live pair
+]
+
+
+class Fault(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    point: CutPoint
+    rank: int | None = None
+    at: int = Field(1, ge=1, description="fire at this hit of the point in a process")
+    arg: float = 0.0
+
+
+class FaultPlan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    faults: list[Fault] = []
+
+
+_PATH = os.environ.get(ENV) or None
+ACTIVE = _PATH is not None
+_counts: dict[str, int] = defaultdict(int)
+_cache: tuple[int, FaultPlan] = (-1, FaultPlan())
+
+
+def _plan() -> FaultPlan:
+    global _cache
+    try:
+        mtime = os.stat(_PATH).st_mtime_ns  # type: ignore[arg-type]
+    except OSError:
+        return FaultPlan()
+    if mtime != _cache[0]:
+        with open(_PATH) as f:  # type: ignore[arg-type]
+            _cache = (mtime, FaultPlan.model_validate_json(f.read() or "{}"))
+    return _cache[1]
+
+
+def marker(fault_id: str, path: str | None = None) -> str:
+    return f"{path or _PATH}.{fault_id}.fired"
+
+
+def _claim(fault: Fault, rank: int) -> bool:
+    try:
+        fd = os.open(marker(fault.id), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"id": fault.id, "point": fault.point, "rank": rank, "pid": os.getpid(),
+                   "time": time.time()}, f)
+    return True
+
+
+def hit(point: str, rank: int) -> Fault | None:
+    """The armed fault for this hit of `point` on `rank`, if it fires now (at most once)."""
+    if not ACTIVE:
+        return None
+    for fault in _plan().faults:
+        if fault.point != point or (fault.rank is not None and fault.rank != rank):
+            continue
+        _counts[fault.id] += 1
+        if _counts[fault.id] == fault.at and _claim(fault, rank):
+            log_event("fault_fired", id=fault.id, point=point, rank=rank)
+            return fault
+    return None
+
+
+def arm(path: str, faults: list[Fault]) -> None:
+    """Write a plan (tests): atomically, so that readers never see half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(FaultPlan(faults=faults).model_dump_json())
+    os.replace(tmp, path)

@@ -1,0 +1,321 @@
+"""The supervisor: one per replica, outside every process it watches.
+
+It builds the replica's pairs (one offload actor per engine worker, in that worker's bundle),
+hands their handles to the engine out of band, and then watches, every `poll_interval_s` and
+at once when a watched process exits (pidfds):
+
+    liveness    the replica, its node's raylet, every engine worker and offload actor:
+                dead, or stopped (SIGSTOP) -> verdict
+    state       a pair marked FAILED by either side (its first reason wins)
+    counters    each only grows; released <= published <= posted <= released + 1
+    deadlines   startup (pairs + engine), a posted step released within step_s, its rows
+                published within offload_wait_s; heartbeats of both sides
+    metrics     transactions, hand-off latency, deadline misses, verdicts
+
+A verdict is one structured line and a metric, then the whole replica is ended: every pair is
+marked FAILED (so no side can take another step), every process of the replica is killed
+(replica actor and its engine processes, workers, offload actors) and verified gone, and
+Serve, seeing the replica actor dead, starts a fresh one. The supervisor is detached so that
+it outlives what it kills; it exits when its replica is gone, whatever ended it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple import metrics
+from ray_ple.config import PleConfig
+from ray_ple.errors import PleError
+from ray_ple.fatal import Reason, mark_failed
+from ray_ple.geometry import PleGeometry
+from ray_ple.handles import PairHandle
+from ray_ple.layout import ControlBlock, State
+from ray_ple.log import log_event
+from ray_ple.pairs import PairSet
+from ray_ple.shm import SharedSegment
+from ray_ple.table_store import TableSource
+from ray_ple.transaction import invariant_violation
+
+KV_PREFIX = "ray_ple:verdict:"
+_DEADLINES = {Reason.STEP_DEADLINE: "step", Reason.PUBLISH_DEADLINE: "publish",
+              Reason.OFFLOAD_WAIT: "offload_wait", Reason.CONSUME_WAIT: "consume",
+              Reason.HEARTBEAT: "heartbeat", Reason.STARTUP_DEADLINE: "startup"}
+
+
+class SupervisorSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tag: str
+    ple: PleConfig
+    geometry: PleGeometry
+    sources: tuple[TableSource, ...]
+    world_size: int
+    replica_pid: int
+
+
+class Verdict(BaseModel):
+    """What ended a replica, and how fast (also stored in the GCS KV under KV_PREFIX+tag)."""
+
+    replica: str
+    reason: str
+    rank: int | None = None
+    layer: str | None = None
+    seq: int | None = None
+    detail: str = ""
+    detected_at: float
+    gone_at: float | None = None
+    detect_to_gone_s: float | None = None
+    pids: list[int] = []
+    survivors: list[int] = []
+
+
+class _Problem(Exception):
+    def __init__(self, reason: Reason, detail: str, rank: int | None = None,
+                 layer: str | None = None, seq: int | None = None) -> None:
+        super().__init__(detail)
+        self.reason, self.detail, self.rank, self.layer, self.seq = reason, detail, rank, layer, seq
+
+
+def _proc_state(pid: int) -> str | None:
+    """One-letter state from /proc (None when gone; 'Z' is gone too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state
+
+
+class _Watched:
+    """One pair as the supervisor sees it: its mapped block and the last values read."""
+
+    def __init__(self, handle: PairHandle) -> None:
+        self.handle = handle
+        self.block = ControlBlock(SharedSegment.attach(handle.segment), handle.layout())
+        self.last = (0, tuple(0 for _ in handle.slots), 0)
+        self.in_flight_since: int | None = None
+        self.unpublished_since: int | None = None
+
+
+class Supervisor:
+    """`ray.remote(Supervisor)`: created by the replica's server, detached, on its node."""
+
+    def __init__(self, spec: dict[str, Any], replica: Any, placement_group: Any) -> None:
+        self.spec = SupervisorSpec.model_validate(spec)
+        self._replica, self._pg = replica, placement_group
+        self._pairs = PairSet(self.spec.ple, self.spec.geometry, self.spec.sources,
+                              tag=self.spec.tag)
+        self._watched: list[_Watched] = []
+        self._pids: dict[int, str] = {self.spec.replica_pid: "replica"}
+        raylet = psutil.Process(self.spec.replica_pid).ppid()
+        self._raylet = raylet if raylet > 1 else None
+        self._verdict: Verdict | None = None
+        self._closing = self._engine_started = False
+        self._created = time.monotonic_ns()
+        self._lock = threading.Lock()
+        self._poller = select.poll()
+        self._watch_pid(self.spec.replica_pid)
+        self._thread = threading.Thread(target=self._watch, name="ray-ple-supervisor",
+                                        daemon=True)
+        self._thread.start()
+
+    # called by the replica's server -----------------------------------------------------
+    def start_pairs(self) -> dict[str, str]:
+        """Build and validate the pairs; return what the engine's workers need (env)."""
+        bundles = list(range(self.spec.world_size))
+        handles = self._pairs.start(self.spec.world_size, self._pg, bundles)
+        with self._lock:
+            for handle in handles:
+                self._watched.append(_Watched(handle))
+                self._pids[handle.segment.pid] = f"offload[{handle.rank}]"
+                self._watch_pid(handle.segment.pid)
+        return self._pairs.env()
+
+    def engine_started(self) -> list[int]:
+        """Every worker must have attached; from now on its process is watched too."""
+        with self._lock:
+            for w in self._watched:
+                if w.block.state is not State.READY:
+                    raise PleError(f"engine started but worker rank {w.handle.rank} never "
+                                   f"attached (pair is {w.block.state.name})")
+                self._pids[w.block.worker_pid] = f"worker[{w.handle.rank}]"
+                self._watch_pid(w.block.worker_pid)
+            self._engine_started = True
+            return [w.block.worker_pid for w in self._watched]
+
+    def verdict(self) -> dict[str, Any] | None:
+        return None if self._verdict is None else self._verdict.model_dump()
+
+    def pids(self) -> dict[int, str]:
+        return dict(self._pids)
+
+    def close(self) -> None:
+        """Orderly end of the replica: pairs CLOSED (no verdict), actors gone, then exit."""
+        self._closing = True
+        for w in self._watched:
+            if w.block.state is State.READY or w.block.state is State.INIT:
+                w.block.set_state(State.CLOSED)
+        self._pairs.kill()
+        self._exit_soon()
+
+    # watching ---------------------------------------------------------------------------
+    def _watch_pid(self, pid: int) -> None:
+        try:
+            self._poller.register(os.pidfd_open(pid), select.POLLIN)
+        except OSError:
+            pass  # already gone: the next check says so
+
+    def _watch(self) -> None:
+        period_ms = int(self.spec.ple.supervisor.poll_interval_s * 1000)
+        while True:
+            try:
+                with self._lock:
+                    self._check()
+            except _Problem as p:
+                self._terminate(p)
+                return
+            except Exception as exc:  # noqa: BLE001 - uncertainty is a verdict, never a retry
+                self._terminate(_Problem(Reason.STATE, f"supervisor check failed: {exc!r}"))
+                return
+            if self._closing:
+                return
+            self._poller.poll(period_ms)
+
+    def _check(self) -> None:
+        now = time.monotonic_ns()
+        dl = self.spec.ple.deadlines
+        for pid, what in self._pids.items():
+            state = _proc_state(pid)
+            if state is None:
+                if what == "replica" and self._closing:
+                    return
+                raise _Problem(Reason.PEER_DEAD, f"{what} (pid {pid}) died")
+            if state in ("T", "t"):
+                raise _Problem(Reason.PEER_STOPPED, f"{what} (pid {pid}) is stopped")
+        if self._raylet is not None and _proc_state(self._raylet) in (None, "T", "t"):
+            raise _Problem(Reason.PEER_DEAD, f"raylet (pid {self._raylet}) of the node is gone "
+                           "or stopped")
+        if not self._engine_started and now - self._created > dl.startup_s * 1e9:
+            raise _Problem(Reason.STARTUP_DEADLINE, f"not serving within {dl.startup_s}s")
+        for w in self._watched:
+            self._check_pair(w, now)
+
+    def _check_pair(self, w: _Watched, now: int) -> None:
+        b, rank, dl = w.block, w.handle.rank, self.spec.ple.deadlines
+        state = b.state
+        if state is State.FAILED:
+            raise _Problem(Reason(b.reason), "a side of the pair failed closed", rank=rank,
+                           seq=b.posted)
+        if state is State.CLOSED and not self._closing:
+            raise _Problem(Reason.STATE, "pair closed while the replica serves", rank=rank)
+        posted, published, released = b.counters()
+        last_posted, last_published, last_released = w.last
+        if (posted < last_posted or released < last_released
+                or any(p < q for p, q in zip(published, last_published))):
+            raise _Problem(Reason.COUNTER_BACK, f"counters went back: {w.last} -> "
+                           f"{(posted, published, released)}", rank=rank, seq=posted)
+        bad = invariant_violation(posted, published, released)
+        if bad:
+            raise _Problem(Reason.INVARIANT, bad, rank=rank, seq=posted)
+        if released > last_released:
+            metrics.transactions(self.spec.tag, rank, released - last_released)
+            post_ns, publish_ns = b.stamps()
+            if publish_ns >= post_ns > 0:
+                metrics.handoff(self.spec.tag, rank, (publish_ns - post_ns) / 1e9)
+        w.last = (posted, published, released)
+        w.in_flight_since = (w.in_flight_since or now) if posted > released else None
+        if w.in_flight_since and now - w.in_flight_since > dl.step_s * 1e9:
+            raise _Problem(Reason.STEP_DEADLINE, f"step {posted} not released in {dl.step_s}s",
+                           rank=rank, seq=posted)
+        lagging = min(published) < posted
+        w.unpublished_since = (w.unpublished_since or now) if lagging else None
+        if w.unpublished_since and now - w.unpublished_since > dl.offload_wait_s * 1e9:
+            layer = w.handle.layer_names[published.index(min(published))]
+            raise _Problem(Reason.PUBLISH_DEADLINE, f"rows of step {posted} not published in "
+                           f"{dl.offload_wait_s}s", rank=rank, layer=layer, seq=posted)
+        if state is State.READY:
+            for side in ("worker", "offload"):
+                age = now - b.heartbeat(side)
+                if age > dl.heartbeat_s * 1e9:
+                    raise _Problem(Reason.HEARTBEAT, f"{side} heartbeat {age / 1e9:.2f}s old",
+                                   rank=rank, seq=posted)
+
+    # ending -----------------------------------------------------------------------------
+    def _replica_processes(self) -> dict[int, str]:
+        pids = dict(self._pids)
+        try:
+            for child in psutil.Process(self.spec.replica_pid).children(recursive=True):
+                pids.setdefault(child.pid, child.name())
+        except psutil.Error:
+            pass
+        return pids
+
+    def _terminate(self, p: _Problem) -> None:
+        import ray
+
+        t0 = time.monotonic()
+        verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
+                          layer=p.layer, seq=p.seq, detail=p.detail[:500],
+                          detected_at=time.time())
+        log_event("verdict", where="supervisor", replica=self.spec.tag, rank=p.rank,
+                  layer=p.layer, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
+        metrics.verdict(self.spec.tag, p.reason.name)
+        if p.reason in _DEADLINES:
+            metrics.deadline_miss(self.spec.tag, _DEADLINES[p.reason])
+        for w in self._watched:
+            mark_failed(w.block, p.reason)
+        procs = self._replica_processes()
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for handle in (self._replica, *self._pairs.actors):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_proc_state(pid) for pid in procs):
+            time.sleep(0.005)
+        survivors = [pid for pid in procs if _proc_state(pid)]
+        verdict.gone_at = time.time()
+        verdict.detect_to_gone_s = round(time.monotonic() - t0, 4)
+        verdict.pids, verdict.survivors = sorted(procs), survivors
+        self._verdict = verdict
+        log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
+                  detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),
+                  survivors=survivors)
+        try:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(KV_PREFIX + self.spec.tag, verdict.model_dump_json())
+        except Exception:  # noqa: BLE001 - the log line above is the record of last resort
+            pass
+        self._exit_soon()
+
+    def _exit_soon(self, linger_s: float = 2.0) -> None:
+        """Leave after answering what is in flight; nothing here outlives its replica."""
+        threading.Timer(linger_s, os._exit, args=(0,)).start()
+
+
+def read_verdicts() -> dict[str, Verdict]:
+    """Every verdict recorded in this cluster (for operators and tests)."""
+    from ray.experimental import internal_kv
+
+    keys = internal_kv._internal_kv_list(KV_PREFIX)
+    out = {}
+    for key in keys:
+        raw = internal_kv._internal_kv_get(key)
+        if raw:
+            v = Verdict.model_validate(json.loads(raw))
+            out[v.replica] = v
+    return out
