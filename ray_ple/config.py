@@ -51,7 +51,7 @@ class PleConfig(_Strict):
     supervisor: SupervisorConfig = SupervisorConfig()
 
     @model_validator(mode="after")
-    def _shm_dir_absolute(self) -> "PleConfig":
+    def _shm_dir_absolute(self) -> PleConfig:
         if not self.shm_dir.startswith("/"):
             raise ValueError(f"ple.shm_dir must be an absolute path, got {self.shm_dir!r}")
         return self

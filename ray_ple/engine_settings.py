@@ -29,7 +29,7 @@ class PleEngineSettings(BaseModel):
         return {KEY: self.model_dump(mode="json")}
 
     @classmethod
-    def from_additional_config(cls, additional: dict[str, Any] | None) -> "PleEngineSettings":
+    def from_additional_config(cls, additional: dict[str, Any] | None) -> PleEngineSettings:
         raw = (additional or {}).get(KEY)
         if raw is None:
             raise PleConfigError(

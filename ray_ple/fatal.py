@@ -44,7 +44,7 @@ class Reason(enum.IntEnum):
     PUBLISH_DEADLINE = 18
 
 
-def mark_failed(block: "ControlBlock | None", reason: Reason) -> None:
+def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
     """First writer wins: a FAILED block keeps its first reason."""
     from ray_ple.layout import State
 
@@ -56,7 +56,7 @@ def mark_failed(block: "ControlBlock | None", reason: Reason) -> None:
             pass
 
 
-def fail_closed(where: str, reason: Reason, *, block: "ControlBlock | None" = None,
+def fail_closed(where: str, reason: Reason, *, block: ControlBlock | None = None,
                 rank: int | None = None, layer: str | None = None, seq: int | None = None,
                 detail: str = "", **fields: Any) -> NoReturn:
     """End this process now; the pair is marked FAILED so that every watcher sees why."""

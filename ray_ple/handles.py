@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ray_ple.errors import PleHandleError
-from ray_ple.geometry import DType, ITEMSIZE, PleGeometry
+from ray_ple.geometry import ITEMSIZE, DType, PleGeometry
 from ray_ple.layout import LAYOUT_VERSION, MAGIC, PairLayout
 from ray_ple.shm import SegmentRef
 
@@ -126,11 +126,13 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
     return layout
 
 
-def validate_segment_header(header: tuple[int, int, int, int, str, str], handle: PairHandle) -> None:
+def validate_segment_header(header: tuple[int, int, int, int, str, str],
+                            handle: PairHandle) -> None:
     """The mapped segment must say what the handle says (guards fd reuse and stale handles)."""
     magic, version, n_layers, max_tokens, token, fingerprint = header
     if magic != MAGIC:
-        raise PleHandleError(f"segment of rank {handle.rank} is not a ray-ple pair (magic {magic:#x})")
+        raise PleHandleError(f"segment of rank {handle.rank} is not a ray-ple pair "
+                             f"(magic {magic:#x})")
     if (version, n_layers, max_tokens) != (handle.layout_version, len(handle.slots),
                                            handle.control.max_tokens):
         raise PleHandleError(f"segment header (v{version}, {n_layers} layers, {max_tokens} tokens) "

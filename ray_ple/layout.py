@@ -14,6 +14,7 @@ recomputes it and rejects any handle whose offsets differ.
 from __future__ import annotations
 
 import enum
+import os
 import struct
 
 import numpy as np
@@ -53,7 +54,7 @@ class PairLayout(BaseModel):
 
     @classmethod
     def compute(cls, max_tokens: int, row_bytes: tuple[int, ...],
-                version: int = LAYOUT_VERSION) -> "PairLayout":
+                version: int = LAYOUT_VERSION) -> PairLayout:
         if not 0 < len(row_bytes) <= MAX_LAYERS:
             raise ValueError(f"{len(row_bytes)} layers; a pair holds 1..{MAX_LAYERS}")
         count_off = PAGE
@@ -84,8 +85,9 @@ def _u32(buf, off: int, n: int = 1) -> np.ndarray:
 class ControlBlock:
     """Typed views of a mapped pair segment. Rules live in `ray_ple.transaction`."""
 
-    def __init__(self, seg: SharedSegment, layout: PairLayout) -> None:
-        buf = seg.map
+    def __init__(self, seg: SharedSegment | None, layout: PairLayout,
+                 words: bytearray | None = None) -> None:
+        buf = seg.map if seg is not None else words
         self.segment, self.layout = seg, layout
         self._state = _u32(buf, STATE_OFF, 2)
         self._hb_worker = _u64(buf, HB_WORKER_OFF)
@@ -95,12 +97,28 @@ class ControlBlock:
         self._worker_pid = _u64(buf, WORKER_PID_OFF)
         self._post_ns = _u64(buf, POST_NS_OFF)
         self._publish_ns = _u64(buf, PUBLISH_NS_OFF)
-        self._count = _u32(buf, layout.count_offset)
-        self.ids = np.ndarray((layout.max_tokens,), np.int32, buf, layout.ids_offset)
         self.flags = [_u32(buf, off) for off in layout.flag_offsets]
         self._published = [_u64(buf, off) for off in layout.published_offsets]
+        if seg is None:
+            return  # a snapshot of the words page: no input or output slots
+        self._count = _u32(buf, layout.count_offset)
+        self.ids = np.ndarray((layout.max_tokens,), np.int32, buf, layout.ids_offset)
         self.slots = [np.ndarray((layout.max_tokens, rb), np.uint8, buf, off)
                       for rb, off in zip(layout.row_bytes, layout.slot_offsets)]
+
+    @classmethod
+    def snapshot(cls, fd: int, layout: PairLayout) -> ControlBlock | None:
+        """The words page read with pread, never mapped: a watcher cannot fault on a segment
+        that was taken away. None when the segment is shorter than its layout."""
+        if os.fstat(fd).st_size < layout.size:
+            return None
+        words = bytearray(os.pread(fd, PAGE, 0))
+        return cls(None, layout, words) if len(words) == PAGE else None
+
+    @staticmethod
+    def write_state(fd: int, state: State, reason: int) -> None:
+        """Set state and reason through the fd (the watcher's only write)."""
+        os.pwrite(fd, struct.pack("<II", int(state), reason), STATE_OFF)
 
     # header -------------------------------------------------------------------------
     def write_header(self, token: str, fingerprint: str) -> None:

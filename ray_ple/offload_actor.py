@@ -148,7 +148,8 @@ class OffloadActor:
                 continue
             if b.released < end.last and time.monotonic_ns() - published_at > step_ns:
                 fail_closed("offload", Reason.STEP_DEADLINE, block=b, rank=end.rank,
-                            seq=end.last, detail=f"step not released within {cfg.deadlines.step_s}s")
+                            seq=end.last,
+                            detail=f"step not released within {cfg.deadlines.step_s}s")
             if spin_s and self._spin(end.last, spin_s):
                 step = end.next_step()  # serve at once: every check above ran just now
                 if step is not None:

@@ -67,6 +67,9 @@ class PairSet:
             self.kill()
             cause = exc.cause if isinstance(exc.cause, PleError) else exc
             raise (cause if isinstance(cause, PleError) else PleError(str(exc))) from None
+        except ray.exceptions.RayActorError as exc:
+            self.kill()
+            raise PleError(f"an offload actor died during setup: {exc}") from None
         except BaseException:
             self.kill()
             raise

@@ -40,6 +40,25 @@ class SegmentRef(BaseModel):
     token: str = Field(pattern=r"^[0-9a-f]{32}$")
 
 
+def open_segment(ref: SegmentRef) -> int:
+    """An fd of a peer's segment; its inode and size must be the ones the handle names."""
+    try:
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PleHandleError(
+            f"cannot open segment fd {ref.fd} of pid {ref.pid} (peer gone or another "
+            f"user): {exc.strerror}"
+        ) from exc
+    st = os.fstat(fd)
+    if st.st_ino != ref.inode or st.st_size != ref.size:
+        os.close(fd)
+        raise PleHandleError(
+            f"segment of pid {ref.pid} fd {ref.fd} is inode {st.st_ino} size {st.st_size}, "
+            f"handle says inode {ref.inode} size {ref.size}"
+        )
+    return fd
+
+
 def free_bytes(shm_dir: str) -> int:
     st = os.statvfs(shm_dir)
     return st.f_bavail * st.f_frsize
@@ -54,7 +73,7 @@ class SharedSegment:
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
-    def create(cls, kind: str, size: int, shm_dir: str = "/dev/shm") -> "SharedSegment":
+    def create(cls, kind: str, size: int, shm_dir: str = "/dev/shm") -> SharedSegment:
         """Create, reserve and unlink a segment of `size` bytes; one clear error if it can't."""
         size = page_align(size)
         if not os.path.isdir(shm_dir):
@@ -87,23 +106,9 @@ class SharedSegment:
         return cls(fd, size, token, owner=True)
 
     @classmethod
-    def attach(cls, ref: SegmentRef) -> "SharedSegment":
-        """Open a peer's segment; the inode and size must be the ones the handle names."""
-        try:
-            fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise PleHandleError(
-                f"cannot open segment fd {ref.fd} of pid {ref.pid} (peer gone or another "
-                f"user): {exc.strerror}"
-            ) from exc
-        st = os.fstat(fd)
-        if st.st_ino != ref.inode or st.st_size != ref.size:
-            os.close(fd)
-            raise PleHandleError(
-                f"segment of pid {ref.pid} fd {ref.fd} is inode {st.st_ino} size {st.st_size}, "
-                f"handle says inode {ref.inode} size {ref.size}"
-            )
-        return cls(fd, ref.size, ref.token, owner=False)
+    def attach(cls, ref: SegmentRef) -> SharedSegment:
+        """Open and map a peer's segment (see `open_segment`)."""
+        return cls(open_segment(ref), ref.size, ref.token, owner=False)
 
     def ref(self) -> SegmentRef:
         return SegmentRef(pid=os.getpid(), fd=self.fd, inode=self.inode, size=self.size,

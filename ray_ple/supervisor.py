@@ -35,13 +35,13 @@ from pydantic import BaseModel, ConfigDict
 from ray_ple import metrics
 from ray_ple.config import PleConfig
 from ray_ple.errors import PleError
-from ray_ple.fatal import Reason, mark_failed
+from ray_ple.fatal import Reason
 from ray_ple.geometry import PleGeometry
 from ray_ple.handles import PairHandle
 from ray_ple.layout import ControlBlock, State
 from ray_ple.log import log_event
 from ray_ple.pairs import PairSet
-from ray_ple.shm import SharedSegment
+from ray_ple.shm import open_segment
 from ray_ple.table_store import TableSource
 from ray_ple.transaction import invariant_violation
 
@@ -74,7 +74,7 @@ class Verdict(BaseModel):
     gone_at: float | None = None
     detect_to_gone_s: float | None = None
     pids: list[int] = []
-    survivors: list[int] = []
+    survivors: list[str] = []  # pid:name:state of any process that would not go
 
 
 class _Problem(Exception):
@@ -95,14 +95,25 @@ def _proc_state(pid: int) -> str | None:
 
 
 class _Watched:
-    """One pair as the supervisor sees it: its mapped block and the last values read."""
+    """One pair as the supervisor sees it: an fd of its segment (read with pread, never
+    mapped, so that a segment taken away cannot fault the watcher) and the last values."""
 
     def __init__(self, handle: PairHandle) -> None:
-        self.handle = handle
-        self.block = ControlBlock(SharedSegment.attach(handle.segment), handle.layout())
+        self.handle, self.layout = handle, handle.layout()
+        self.fd = open_segment(handle.segment)
         self.last = (0, tuple(0 for _ in handle.slots), 0)
         self.in_flight_since: int | None = None
         self.unpublished_since: int | None = None
+
+    def read(self) -> ControlBlock:
+        block = ControlBlock.snapshot(self.fd, self.layout)
+        if block is None:
+            raise _Problem(Reason.SEGMENT_LOST, "pair segment shrank under a live pair",
+                           rank=self.handle.rank)
+        return block
+
+    def set_state(self, state: State, reason: int = 0) -> None:
+        ControlBlock.write_state(self.fd, state, reason)
 
 
 class Supervisor:
@@ -142,14 +153,17 @@ class Supervisor:
     def engine_started(self) -> list[int]:
         """Every worker must have attached; from now on its process is watched too."""
         with self._lock:
+            pids = []
             for w in self._watched:
-                if w.block.state is not State.READY:
+                block = w.read()
+                if block.state is not State.READY:
                     raise PleError(f"engine started but worker rank {w.handle.rank} never "
-                                   f"attached (pair is {w.block.state.name})")
-                self._pids[w.block.worker_pid] = f"worker[{w.handle.rank}]"
-                self._watch_pid(w.block.worker_pid)
+                                   f"attached (pair is {block.state.name})")
+                pids.append(block.worker_pid)
+                self._pids[block.worker_pid] = f"worker[{w.handle.rank}]"
+                self._watch_pid(block.worker_pid)
             self._engine_started = True
-            return [w.block.worker_pid for w in self._watched]
+            return pids
 
     def verdict(self) -> dict[str, Any] | None:
         return None if self._verdict is None else self._verdict.model_dump()
@@ -161,8 +175,8 @@ class Supervisor:
         """Orderly end of the replica: pairs CLOSED (no verdict), actors gone, then exit."""
         self._closing = True
         for w in self._watched:
-            if w.block.state is State.READY or w.block.state is State.INIT:
-                w.block.set_state(State.CLOSED)
+            if w.read().state in (State.READY, State.INIT):
+                w.set_state(State.CLOSED)
         self._pairs.kill()
         self._exit_soon()
 
@@ -192,6 +206,11 @@ class Supervisor:
     def _check(self) -> None:
         now = time.monotonic_ns()
         dl = self.spec.ple.deadlines
+        blocks = [w.read() for w in self._watched]
+        for w, b in zip(self._watched, blocks):  # a side that failed closed names the cause
+            if b.state is State.FAILED:
+                raise _Problem(Reason(b.reason), "a side of the pair failed closed",
+                               rank=w.handle.rank, seq=b.posted)
         for pid, what in self._pids.items():
             state = _proc_state(pid)
             if state is None:
@@ -205,15 +224,12 @@ class Supervisor:
                            "or stopped")
         if not self._engine_started and now - self._created > dl.startup_s * 1e9:
             raise _Problem(Reason.STARTUP_DEADLINE, f"not serving within {dl.startup_s}s")
-        for w in self._watched:
-            self._check_pair(w, now)
+        for w, b in zip(self._watched, blocks):
+            self._check_pair(w, b, now)
 
-    def _check_pair(self, w: _Watched, now: int) -> None:
-        b, rank, dl = w.block, w.handle.rank, self.spec.ple.deadlines
+    def _check_pair(self, w: _Watched, b: ControlBlock, now: int) -> None:
+        rank, dl = w.handle.rank, self.spec.ple.deadlines
         state = b.state
-        if state is State.FAILED:
-            raise _Problem(Reason(b.reason), "a side of the pair failed closed", rank=rank,
-                           seq=b.posted)
         if state is State.CLOSED and not self._closing:
             raise _Problem(Reason.STATE, "pair closed while the replica serves", rank=rank)
         posted, published, released = b.counters()
@@ -271,7 +287,11 @@ class Supervisor:
         if p.reason in _DEADLINES:
             metrics.deadline_miss(self.spec.tag, _DEADLINES[p.reason])
         for w in self._watched:
-            mark_failed(w.block, p.reason)
+            try:
+                if w.read().state is not State.FAILED:
+                    w.set_state(State.FAILED, int(p.reason))
+            except _Problem:
+                pass  # the segment is gone: nobody can take a step in it
         procs = self._replica_processes()
         for pid in procs:
             try:
@@ -283,10 +303,11 @@ class Supervisor:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_proc_state(pid) for pid in procs):
             time.sleep(0.005)
-        survivors = [pid for pid in procs if _proc_state(pid)]
+        survivors = [f"{pid}:{procs[pid]}:{_proc_state(pid)}" for pid in procs
+                     if _proc_state(pid)]
         verdict.gone_at = time.time()
         verdict.detect_to_gone_s = round(time.monotonic() - t0, 4)
         verdict.pids, verdict.survivors = sorted(procs), survivors

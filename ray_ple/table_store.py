@@ -118,7 +118,7 @@ class NodeTable:
             try:
                 self._listener.settimeout(0.5)
                 conn, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -160,7 +160,7 @@ def _receive(name: bytes, fp: str) -> SharedSegment | None:
         sock.settimeout(5)
         sock.connect(name)
         msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-    except (ConnectionRefusedError, FileNotFoundError, TimeoutError, socket.timeout):
+    except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
         return None
     finally:
         sock.close()

@@ -54,7 +54,7 @@ class WorkerPair:
 
     @classmethod
     def attach(cls, handle: PairHandle, expected: PleGeometry, *, rank: int, transport: str,
-               deadlines: PleDeadlines, heartbeat_s: float) -> "WorkerPair":
+               deadlines: PleDeadlines, heartbeat_s: float) -> WorkerPair:
         """Validate every field, map, check the segment header, then declare READY."""
         layout = validate_pair_handle(handle, expected, rank=rank)
         segment = SharedSegment.attach(handle.segment)
@@ -98,16 +98,11 @@ class WorkerPair:
         except BaseException as exc:  # noqa: BLE001 - abandoned forward: fail closed
             self.worker.abandon(f"forward of step {s} raised {type(exc).__name__}: {exc}")
         self.mode = Mode.IDLE
-        if faults.ACTIVE:
-            self._release_faults(s)
+        if faults.ACTIVE and (f := faults.hit("worker.stall_before_release", self.worker.rank)):
+            time.sleep(f.arg or 1e9)
         self.transport.release(s)
         self.worker.released(s)
-
-    def _release_faults(self, s: int) -> None:
-        """Test-only cut points between the forward and its release."""
-        if (fault := faults.hit("worker.stall_before_release", self.worker.rank)) is not None:
-            time.sleep(fault.arg or 1e9)
-        if faults.hit("worker.corrupt_released", self.worker.rank) is not None:
+        if faults.ACTIVE and faults.hit("worker.corrupt_released", self.worker.rank):
             self.block.released = s + 7
 
     @contextmanager

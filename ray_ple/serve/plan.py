@@ -27,6 +27,6 @@ class ServerPlan(BaseModel):
         return {KEY: self.model_dump(mode="json")}
 
     @classmethod
-    def from_experimental(cls, experimental: dict[str, Any] | None) -> "ServerPlan | None":
+    def from_experimental(cls, experimental: dict[str, Any] | None) -> ServerPlan | None:
         raw = (experimental or {}).get(KEY)
         return None if raw is None else cls.model_validate(raw)

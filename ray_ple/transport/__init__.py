@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 from ray_ple.errors import PleConfigError
 
 if TYPE_CHECKING:
-    from ray_ple.transport.base import Transport
     from ray_ple.transaction import WorkerEnd
+    from ray_ple.transport.base import Transport
 
 TRANSPORTS = ("cpu", "cuda")
 
 
-def make_transport(name: str, worker: "WorkerEnd", dtype: str) -> "Transport":
+def make_transport(name: str, worker: WorkerEnd, dtype: str) -> Transport:
     if name == "cpu":
         from ray_ple.transport.cpu import CpuTransport
 

@@ -9,8 +9,9 @@ A second CUDA transport (UVA zero-copy from the node table) would implement this
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ClassVar, Iterator, NoReturn
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 from ray_ple.fatal import Reason, fail_closed
 
@@ -25,20 +26,20 @@ class Transport(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, worker: "WorkerEnd", dtype: str) -> None:
+    def __init__(self, worker: WorkerEnd, dtype: str) -> None:
         self.worker, self.block, self.deadlines = worker, worker.block, worker.deadlines
         self.dtype = dtype
 
-    def _fail(self, reason: "Reason", layer: int, detail: str) -> NoReturn:
+    def _fail(self, reason: Reason, layer: int, detail: str) -> NoReturn:
         fail_closed("consumer", reason, block=self.block, rank=self.worker.rank,
                     seq=self.worker.step, layer=self.worker.layer_names[layer], detail=detail)
 
     @abstractmethod
-    def pull(self, layer: int, out: "torch.Tensor") -> None:
+    def pull(self, layer: int, out: torch.Tensor) -> None:
         """Wait until `layer`'s rows of the step in flight are published; copy them into `out`."""
 
     @abstractmethod
-    def satisfy_locally(self, layer: int, out: "torch.Tensor") -> None:
+    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
         """A dummy/profile/capture forward: rows come from here, counters do not move."""
 
     @abstractmethod

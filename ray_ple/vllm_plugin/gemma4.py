@@ -48,7 +48,8 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         name = f"{maybe_prefix(prefix, 'model')}.embed_tokens_per_layer"
         if name != layer.layer_name:
-            raise PleHandleError(f"model's PLE layer is {name!r}, handles name {layer.layer_name!r}")
+            raise PleHandleError(f"model's PLE layer is {name!r}, handles name "
+                                 f"{layer.layer_name!r}")
         dtype = vllm_config.model_config.dtype
         if dtype != getattr(torch, layer.dtype):
             raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
