@@ -24,6 +24,7 @@ ends the replica through `fail_closed`. Nothing is ever retried, reset or contin
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -32,9 +33,21 @@ import numpy as np
 
 from ray_ple import faults
 from ray_ple.config import PleDeadlines
-from ray_ple.errors import PleTokenCountError
+from ray_ple.errors import PleEnvironmentError, PleTokenCountError
 from ray_ple.fatal import Reason, fail_closed
 from ray_ple.layout import ControlBlock, State
+
+
+def check_memory_model() -> None:
+    """The sides publish with plain stores, relying on x86-64's store order (TSO).
+
+    On a weakly ordered CPU (aarch64, e.g. Grace) a reader could see `posted` or a flag before
+    the data it guards; until an explicit fence exists there, refuse to start.
+    """
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise PleEnvironmentError(f"ray-ple's transaction needs x86-64 store ordering; this CPU "
+                                  f"is {machine}")
 
 
 def invariant_violation(posted: int, published: tuple[int, ...], released: int) -> str | None:
@@ -71,6 +84,7 @@ class WorkerEnd:
 
     def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines,
                  layer_names: tuple[str, ...]) -> None:
+        check_memory_model()
         self.block, self.rank, self.deadlines = block, rank, deadlines
         self.layer_names = layer_names
         self.step = block.posted
@@ -124,6 +138,7 @@ class OffloadEnd:
     """The offload actor's half: see each step exactly once, publish its rows per layer."""
 
     def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines) -> None:
+        check_memory_model()
         self.block, self.rank, self.deadlines = block, rank, deadlines
         self.last = block.posted
 
