@@ -7,6 +7,9 @@ delays the offload actor until its next poll, and a spurious one is ignored.
 from __future__ import annotations
 
 import socket
+import time
+
+from ray_ple import timing
 
 
 def bell_address(token: str) -> bytes:
@@ -23,8 +26,10 @@ class DoorbellListener:
         self._sock.settimeout(timeout_s)
         try:
             self._sock.recv(16)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
+        if timing.ENABLED:
+            timing.record("wake", time.monotonic_ns())
         self._sock.setblocking(False)
         try:
             while True:
@@ -44,6 +49,8 @@ class Doorbell:
         self._sock.setblocking(False)
 
     def ring(self) -> None:
+        if timing.ENABLED:
+            timing.record("post", time.monotonic_ns())
         try:
             self._sock.sendto(b"!", self._addr)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
