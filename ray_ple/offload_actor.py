@@ -129,12 +129,16 @@ class OffloadActor:
         poll = cfg.supervisor.heartbeat_interval_s
         published_at = 0
         spin_s = cfg.offload_spin_us * 1e-6
+        placed = False
         while not self._stop.is_set():
             now = time.monotonic_ns()
             b.beat("offload", now)
             state = b.state
             if state is State.CLOSED:
                 return
+            if state is State.READY and not placed:
+                placed = True
+                self._keep_off_worker_cores()
             if state is State.FAILED:
                 fail_closed("offload", Reason.PEER_FAILED, block=b, rank=end.rank, seq=end.last,
                             detail=f"worker side failed with reason {b.reason}")
@@ -157,6 +161,25 @@ class OffloadActor:
                     published_at = time.monotonic_ns()
                 continue
             self._bell.wait(poll)
+
+    def _keep_off_worker_cores(self) -> None:
+        """Serve from cores the worker is not bound to, where the host has any.
+
+        vLLM-CPU binds its worker's threads to cores. A doorbell wakes this thread on the
+        ringing core by preference, where it preempts the very forward it feeds (measured in
+        bench/cpu/README.md). Only this serving thread moves; with no free core (e.g. TP over
+        every core) nothing changes.
+        """
+        try:
+            worker = os.sched_getaffinity(self.block.worker_pid)
+            mine = os.sched_getaffinity(0)
+        except OSError:  # no such worker: its heartbeat and the supervisor will say
+            return
+        free = mine - worker
+        if free and free != mine:
+            os.sched_setaffinity(0, free)
+            log_event("offload_cores", rank=self.spec.rank, cores=sorted(free),
+                      worker_cores=sorted(worker))
 
     def _spin(self, last: int, spin_s: float) -> bool:
         """Bounded spin until `posted` moves past `last` (True) or the time is up (False)."""
