@@ -1,21 +1,23 @@
 """Offloaded PLE vs the plain engine on vLLM-CPU: tokens/s, TTFT and the per-step hand-off.
 
-One run, one Ray cluster of its own, per model two warm engines side by side: `offload`
-(ray-ple's `offloaded_llm`, the table in an offload actor) and `plain` (`enabled: false`,
-the table in the worker). Each engine is its own OS process, started once and warmed up; the
-driver then sends every workload case to one engine at a time, alternating which goes first
-(AB, BA, AB, ...), so that what other processes do to this 2-core machine falls on both sides
-alike. The two engines never run at the same time: on 2 cores, a second busy engine (or its
-offload actor) would take the CPU the first one is measured on.
+One run, one Ray cluster of its own; per model, warm engines side by side: `offload`
+(ray-ple's `offloaded_llm`: the table in an offload actor), `plain` (`enabled: false`: the
+table in the worker) and, with --unpinned, `offload_unpinned` (the offload actor's serving
+thread put back on every core: the placement before the actor kept off its worker's cores).
+Each engine is its own OS process, started once and warmed up. The driver then sends every
+workload case to one engine at a time, cycling through every order of the sides (AB, BA, ...),
+so that what other processes do to this shared 2-core machine falls on every side alike.
+Engines never run at the same time: vLLM-CPU binds every engine's worker to the same core and
+keeps one core for its scheduler, so a second busy engine would take the measured one's CPU.
 
 Per case and repetition: wall time of `LLM.generate`, per-request TTFT (vLLM's
 `first_token_latency`), decode rate from vLLM's token timestamps, greedy tokens (compared
-between the sides), and the CPU seconds the engine and its offload actor used. The offload
-engine runs with `RAY_PLE_TIMING=1` (ray_ple.timing), so each step's post, doorbell wake-up,
-gather and pull are stamped in the real pair; this script joins them into per-step hand-off
-times.
+across the sides), CPU seconds of the engine and of its offload actor, and a per-step clock
+in the worker (execute, forward, PLE lookup, sampling). Offload engines run with
+`RAY_PLE_TIMING=1` (ray_ple.timing): each step's post, doorbell wake-up, gather and pull are
+stamped in the real pair and joined here into per-step hand-off times.
 
-    python bench/cpu/bench_offload.py --out bench/cpu/results/<run>
+    python bench/cpu/bench_offload.py --out bench/cpu/results/<run> --unpinned
 
 This is a benchmark, not a test: it asserts nothing about time.
 """
@@ -234,7 +236,11 @@ class Engine:
             [sys.executable, __file__, "--engine", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**os.environ, "RAY_ADDRESS": address})
-        self.info = self._read()
+        try:
+            self.info = self._read()
+        except BaseException:
+            self._end()
+            raise
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -251,21 +257,25 @@ class Engine:
         return self._read()
 
     def stop(self) -> None:
+        """Orderly: the engine shuts vLLM down and kills its offload actor; else `_end`."""
         try:
             if self.proc.poll() is None:
                 self.call({"cmd": "stop"})
                 self.proc.wait(timeout=120)
-        except Exception:  # noqa: BLE001 - ends below either way
+        except Exception:  # noqa: BLE001 - ended below either way
             pass
         finally:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            self._log.close()
+            self._end()
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
 
 
 def summarize_run(case: Case, res: dict[str, Any]) -> dict[str, Any]:
@@ -434,8 +444,13 @@ def ratio_stats(pairs: list[tuple[float, float]]) -> dict[str, float]:
 
 
 def bench_model(model: str, sides: list[str], address: str, reps: int, warmup: int,
-                logs: Path, log: Any) -> dict[str, Any]:
-    """Warm engines of every side, then every case on one side at a time, order rotating."""
+                settle_s: float, logs: Path, log: Any) -> dict[str, Any]:
+    """Warm engines of every side, then every case on one side at a time, order rotating.
+
+    Before each measured run every engine has been left alone for `settle_s`: a vLLM engine
+    keeps its worker and scheduler busy-polling for 1 s after its last message (vLLM's
+    SpinCondition), and the worker of every engine is bound to the same core.
+    """
     from ray_ple.tiny_model import resolve
 
     resolve(model)  # build the checkpoint once, before any engine starts
@@ -464,6 +479,7 @@ def bench_model(model: str, sides: list[str], address: str, reps: int, warmup: i
         for rep in range(reps):
             for ci, case in enumerate(CASES):
                 for side in orders[(rep * len(CASES) + ci) % len(orders)]:
+                    time.sleep(settle_s)
                     res = engines[side].call({"cmd": "run", "case": case._asdict()})
                     runs[case.name][side].append(summarize_run(case, res))
                     ev = engines[side].call({"cmd": "timings"})
@@ -604,6 +620,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--settle", type=float, default=1.5,
+                    help="seconds every engine is left idle before each measured run")
     ap.add_argument("--unpinned", action="store_true",
                     help="add the offload_unpinned side (the actor's placement before the fix)")
     ap.add_argument("--logs", type=Path, help="engine logs (default: a new temporary directory)")
@@ -642,12 +660,14 @@ def main() -> None:
     address = ray.get_runtime_context().gcs_address
     sides = ["offload", *(["offload_unpinned"] if args.unpinned else []), PLAIN]
     results: dict[str, Any] = {"env": env, "engine": ENGINE, "sides": sides,
+                               "settle_s": args.settle,
                                "cases": [c._asdict() for c in CASES], "reps": args.reps,
                                "warmup": args.warmup, "models": []}
     raw: dict[str, Any] = {}
     try:
         for model in args.models:
-            raw[model] = bench_model(model, sides, address, args.reps, args.warmup, logs, log)
+            raw[model] = bench_model(model, sides, address, args.reps, args.warmup,
+                                     args.settle, logs, log)
             results["models"].append(analyse(model, raw[model]))
     finally:
         ray.shutdown()
