@@ -45,7 +45,8 @@ ROW_BYTES = rig.ROW_ELEMS * 2
 
 def stats(stamps: list[float], warm: int) -> dict[str, float]:
     d = np.diff(np.asarray(stamps))[warm:] * 1e6
-    return {"median_us": round(float(np.median(d)), 2), "p10_us": round(float(np.percentile(d, 10)), 2),
+    return {"median_us": round(float(np.median(d)), 2),
+            "p10_us": round(float(np.percentile(d, 10)), 2),
             "p90_us": round(float(np.percentile(d, 90)), 2),
             "p99_us": round(float(np.percentile(d, 99)), 2), "min_us": round(float(d.min()), 2),
             "steps": int(d.size)}

@@ -131,8 +131,8 @@ def checkpoint_config(model_source: str, model_id: str,
                 "vocab_size_per_layer_input": s.vocab_size_per_layer_input,
                 "hidden_size_per_layer_input": s.hidden_size_per_layer_input}
     if model_id not in declared:
-        raise PleConfigError(f"k8s/spec/clusters.yaml gives no checkpoint_configs[{model_id!r}]: the "
-                             f"checkpoint {model_source} is not here to read its table size")
+        raise PleConfigError(f"k8s/spec/clusters.yaml gives no checkpoint_configs[{model_id!r}]: "
+                             f"the checkpoint {model_source} is not here to read its table size")
     return declared[model_id]
 
 

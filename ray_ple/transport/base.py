@@ -51,5 +51,5 @@ class Transport(ABC):
         """Bracket a forward whose pulls are satisfied locally (flags raised and reset here)."""
         yield
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: a no-op by default
         """Drop what this process registered; the memory stays valid until unmapped."""

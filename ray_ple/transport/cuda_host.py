@@ -55,7 +55,10 @@ def check(result: tuple, what: str) -> Any:
 
 def memlock_limits() -> str:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    fmt = lambda v: "unlimited" if v == resource.RLIM_INFINITY else f"{v} B"
+
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v} B"
+
     return f"RLIMIT_MEMLOCK soft {fmt(soft)}, hard {fmt(hard)}"
 
 

@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ray_ple import worker_pair
-from ray_ple.config import PleConfig, PleDeadlines
-from ray_ple.geometry import LayerGeometry, PleGeometry
-from ray_ple.handles import PairHandle
-from ray_ple.table_store import TableSource
-from ray_ple.vllm_plugin.layer import PleOffloadEmbedding
+from ray_ple import worker_pair  # noqa: E402 - after the repo joins sys.path
+from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
+from ray_ple.geometry import LayerGeometry, PleGeometry  # noqa: E402
+from ray_ple.handles import PairHandle  # noqa: E402
+from ray_ple.table_store import TableSource  # noqa: E402
+from ray_ple.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
 
 LAYER = "model.embed_tokens_per_layer"
 TENSOR = "model.embed_tokens_per_layer.weight"

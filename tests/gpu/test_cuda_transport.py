@@ -156,8 +156,8 @@ def test_compiled_artifact_runs_in_a_new_process(ckpt: Path, tmp_path: Path) -> 
     for role in ("save", "load"):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{role}")}
         proc = subprocess.run([sys.executable, str(RIG), f"compile-{role}", str(tmp_path),
-                               "--steps", "1000"], capture_output=True, text=True, env=env, check=False,
-                              timeout=900)
+                               "--steps", "1000"], capture_output=True, text=True, env=env,
+                              check=False, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[role] = json.loads(proc.stdout.strip().splitlines()[-1])
     save, load = results["save"], results["load"]
