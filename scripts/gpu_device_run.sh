@@ -2,7 +2,7 @@
 # Run the CUDA transport's proof on a GPU machine: environment, memlock probes, the GPU test
 # module, and the benchmark. Everything goes to $OUT (default: bench/cuda/results/latest).
 #
-#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench]
+#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks]
 #
 # The machine needs python3 with torch (CUDA), cuda-python and numpy; pydantic and its pure
 # dependencies may be given as wheels in .whl/ (installed into a private --target, no index).
@@ -72,5 +72,16 @@ if [[ $WHAT == all || $WHAT == bench-nt ]]; then
     --offload-env GLIBC_TUNABLES=$NT ${BENCH_ARGS:-} 2>&1 | grep -v '^{"ray_ple"' \
     | tee "$OUT/bench_nt.txt"
   rm -rf /dev/shm/ray-ple-bench
+fi
+if [[ $WHAT == all || $WHAT == two-ranks ]]; then
+  # issue 6, partial: two rank processes on the one GPU, each with its own offload process,
+  # both offload processes sharing one host table; alone vs both at once, then rank 1's
+  # offload process SIGKILLed mid-run (bench/cuda/README.md, "Two ranks on one H200")
+  stage "two ranks on one GPU"
+  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv | tee "$OUT/two_ranks_env.txt"
+  timeout 380 python3 bench/cuda/bench_two_ranks.py --out "$OUT" --budget-s 240 \
+    ${TWO_RANKS_ARGS:-} 2>&1 | tee "$OUT/two_ranks_log.txt" | grep -v '^{"ray_ple"'
+  rm -rf /dev/shm/ray-ple-two-ranks
 fi
 stage done
