@@ -42,10 +42,13 @@ from ray_ple.layout import ControlBlock, State
 from ray_ple.log import log_event
 from ray_ple.pairs import PairSet
 from ray_ple.shm import open_segment
+from ray_ple.shm_leftovers import remove_unused, shm_files_of
 from ray_ple.table_store import TableSource
 from ray_ple.transaction import invariant_violation
 
 KV_PREFIX = "ray_ple:verdict:"
+CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more
+METRICS_FLUSH_S = 12.0  # > Ray's metrics report interval (10 s), so the verdict is exported
 _DEADLINES = {Reason.STEP_DEADLINE: "step", Reason.PUBLISH_DEADLINE: "publish",
               Reason.OFFLOAD_WAIT: "offload_wait", Reason.CONSUME_WAIT: "consume",
               Reason.HEARTBEAT: "heartbeat", Reason.STARTUP_DEADLINE: "startup"}
@@ -130,6 +133,8 @@ class Supervisor:
         self._raylet = raylet if raylet > 1 else None
         self._verdict: Verdict | None = None
         self._closing = self._engine_started = False
+        self._shm_files: set[str] = set()
+        self._closing_pids: dict[int, str] = {}
         self._created = time.monotonic_ns()
         self._lock = threading.Lock()
         self._poller = select.poll()
@@ -171,14 +176,23 @@ class Supervisor:
     def pids(self) -> dict[int, str]:
         return dict(self._pids)
 
+    def statuses(self) -> list[dict[str, Any]]:
+        """Each pair as its offload actor sees it (for operators and tests)."""
+        return [s.model_dump() for s in self._pairs.statuses()]
+
     def close(self) -> None:
-        """Orderly end of the replica: pairs CLOSED (no verdict), actors gone, then exit."""
-        self._closing = True
-        for w in self._watched:
-            if w.read().state in (State.READY, State.INIT):
-                w.set_state(State.CLOSED)
-        self._pairs.kill()
-        self._exit_soon()
+        """Orderly end of the replica: pairs CLOSED (no verdict), actors gone. The engine
+        stops after this; once every process of the replica has exited (or CLOSE_WAIT_S has
+        passed), the watch thread removes what they left in /dev/shm and ends this process."""
+        with self._lock:  # no check runs while the pairs go
+            self._closing = True
+            self._closing_pids = self._replica_processes()
+            self._shm_files = shm_files_of(self._closing_pids)
+            for w in self._watched:
+                if w.read().state in (State.READY, State.INIT):
+                    w.set_state(State.CLOSED)
+            self._pairs.kill()
+
 
     # watching ---------------------------------------------------------------------------
     def _watch_pid(self, pid: int) -> None:
@@ -192,6 +206,8 @@ class Supervisor:
         while True:
             try:
                 with self._lock:
+                    if self._closing:
+                        break
                     self._check()
             except _Problem as p:
                 self._terminate(p)
@@ -199,9 +215,14 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - uncertainty is a verdict, never a retry
                 self._terminate(_Problem(Reason.STATE, f"supervisor check failed: {exc!r}"))
                 return
-            if self._closing:
-                return
             self._poller.poll(period_ms)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while time.monotonic() < deadline and any(_proc_state(p) for p in self._closing_pids):
+            time.sleep(0.1)
+        left = [f"{p}:{w}" for p, w in self._closing_pids.items() if _proc_state(p)]
+        log_event("replica_closed", replica=self.spec.tag, still_running=left,
+                  shm_removed=remove_unused(self._shm_files))
+        self._exit_soon()
 
     def _check(self) -> None:
         now = time.monotonic_ns()
@@ -214,8 +235,6 @@ class Supervisor:
         for pid, what in self._pids.items():
             state = _proc_state(pid)
             if state is None:
-                if what == "replica" and self._closing:
-                    return
                 raise _Problem(Reason.PEER_DEAD, f"{what} (pid {pid}) died")
             if state in ("T", "t"):
                 raise _Problem(Reason.PEER_STOPPED, f"{what} (pid {pid}) is stopped")
@@ -293,6 +312,7 @@ class Supervisor:
             except _Problem:
                 pass  # the segment is gone: nobody can take a step in it
         procs = self._replica_processes()
+        shm_files = shm_files_of(procs)
         for pid in procs:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -310,21 +330,23 @@ class Supervisor:
                      if _proc_state(pid)]
         verdict.gone_at = time.time()
         verdict.detect_to_gone_s = round(time.monotonic() - t0, 4)
+        shm_removed = remove_unused(shm_files)  # once nothing of the replica can map them
         verdict.pids, verdict.survivors = sorted(procs), survivors
         self._verdict = verdict
         log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
                   detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),
-                  survivors=survivors)
+                  survivors=survivors, shm_removed=shm_removed)
         try:
             from ray.experimental import internal_kv
 
             internal_kv._internal_kv_put(KV_PREFIX + self.spec.tag, verdict.model_dump_json())
         except Exception:  # noqa: BLE001 - the log line above is the record of last resort
             pass
-        self._exit_soon()
+        self._exit_soon(METRICS_FLUSH_S)
 
     def _exit_soon(self, linger_s: float = 2.0) -> None:
-        """Leave after answering what is in flight; nothing here outlives its replica."""
+        """Leave after answering what is in flight (and, after a verdict, after the metrics
+        reporter has shipped the verdict); nothing of the replica is left to outlive."""
         threading.Timer(linger_s, os._exit, args=(0,)).start()
 
 

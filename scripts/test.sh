@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
 export RAY_PLE_KUBERAY_CRDS=${RAY_PLE_KUBERAY_CRDS:-$(cd .. && pwd)/shared/kuberay}
-exec .venv/bin/python -m pytest -ra --timeout=1200 "$@"
+exec .venv/bin/python -m pytest -ra --durations=25 --timeout=1200 "$@"

@@ -3,7 +3,8 @@
 For every cut point, and for SIGKILL/SIGSTOP of an offload actor, an engine worker and a
 whole node: with clients sending requests throughout, every response is correct (identical
 to the unoffloaded reference) or an error; the replica is ended and a new one serves again;
-nothing of the old replica is left. Times per case go to the report (RAY_PLE_FAULT_REPORT).
+nothing of the old replica is left (processes, and its /dev/shm names: vLLM's message queues
+and semaphores). Times per case go to the report (RAY_PLE_FAULT_REPORT).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ray.cluster_utils import Cluster
 
 from ray_ple import faults
 from ray_ple.serve.builder import PleAppArgs, build_app
+from ray_ple.shm_leftovers import SHM_DIR, in_use, shm_files_of
 from ray_ple.supervisor import read_verdicts
 from tests.faultrig import PROMPTS, Clients, alive, app_args, fired_at, pid_of, supervisor_pids
 from tests.leftovers import ple_shm_entries
@@ -55,7 +57,7 @@ def rig(tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": {
             "health_check_period_ms": 500, "health_check_timeout_ms": 500,
-            "health_check_failure_threshold": 3}})
+            "health_check_failure_threshold": 3, "metrics_report_interval_ms": 1000}})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
@@ -74,6 +76,11 @@ def rig(tmp_path_factory):
     if report:
         Path(report).write_text(json.dumps(REPORT, indent=1))
     serve.shutdown()
+    deadline = time.monotonic() + 60  # supervisors of stopped replicas tidy up, then exit
+    while time.monotonic() < deadline and any(
+            e["name"].startswith("ray-ple-supervisor-")
+            for e in ray.util.list_named_actors(all_namespaces=True)):
+        time.sleep(0.5)
     ray.shutdown()
     cluster.shutdown()
 
@@ -100,6 +107,12 @@ def _wait_serving(after: float, clients: Clients | None, timeout: float = 240) -
     raise TimeoutError("the service did not come back")
 
 
+def _left_shm(files: set[str]) -> list[str]:
+    """Of an ended replica's /dev/shm files, those still named that nobody maps or holds."""
+    left = {f for f in files if os.path.exists(f)}
+    return sorted(left - in_use(left))
+
+
 def _new_verdict(before: set[str], timeout: float) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -110,12 +123,15 @@ def _new_verdict(before: set[str], timeout: float) -> object:
     raise TimeoutError("no verdict")
 
 
-def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: bool = True):
+def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: bool = True,
+          after_verdict=None):
     clients: Clients = rig["clients"]
     _wait_serving(time.time() - 5, clients)
     old = supervisor_pids()
     assert old, "a live replica to fault"
     before = set(read_verdicts())
+    shm_files = shm_files_of(old)  # vLLM's message queues and semaphores among them
+    assert any(f.startswith(SHM_DIR + "psm_") for f in shm_files), shm_files
     t_inject = inject()
     row = {"case": name}
     after = t_inject
@@ -126,6 +142,8 @@ def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: b
         row.update(reason=v.reason, detect_s=round(v.detected_at - t_inject, 3),
                    gone_after_detect_s=v.detect_to_gone_s)
         after = v.gone_at
+        if after_verdict is not None:
+            after_verdict()
     t_back = _wait_serving(after, clients)
     row["serving_again_s"] = round(t_back - t_inject, 2)
     deadline = time.monotonic() + 10
@@ -133,6 +151,8 @@ def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: b
         time.sleep(0.1)
     assert alive(list(old)) == [], f"old replica processes left: {alive(list(old))}"
     assert ple_shm_entries() == []
+    if verdict:
+        assert _left_shm(shm_files) == [], "/dev/shm names left by the ended replica"
     assert clients.wrong(rig["reference"]) == []
     row["responses_ok_err"] = clients.counts()
     REPORT.append(row)
@@ -159,9 +179,39 @@ CUTS = [
 ]
 
 
+METRICS = {"ray_ple_transactions_total", "ray_ple_handoff_latency_seconds_bucket",
+           "ray_ple_verdicts_total", "ray_ple_deadline_misses_total"}
+
+
+def _scrape(rig, wanted: set[str], timeout: float = 10.0) -> set[str]:
+    """Metric names the nodes' Prometheus endpoints export (Ray may prefix them)."""
+    import re
+
+    import requests
+
+    found: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and found != wanted:
+        for node in [rig["cluster"].head_node, *rig["nodes"]]:
+            try:
+                text = requests.get(f"http://127.0.0.1:{node.metrics_export_port}/metrics",
+                                    timeout=5).text
+            except requests.RequestException:
+                continue
+            found |= {n for n in wanted if re.search(rf"^\w*{n}\{{", text, re.M)}
+        time.sleep(1)
+    return found
+
+
 @pytest.mark.parametrize("point, reasons", CUTS, ids=[c[0] for c in CUTS])
 def test_cut_point(rig, point, reasons):
-    _case(rig, point, lambda: _arm(rig, point), reasons)
+    # a deadline verdict gives every metric a value: scrape them while its supervisor lingers
+    scrape = point == "worker.stall_before_release"
+    seen: set[str] = set()
+    _case(rig, point, lambda: _arm(rig, point), reasons,
+          after_verdict=(lambda: seen.update(_scrape(rig, METRICS))) if scrape else None)
+    if scrape:
+        assert seen == METRICS
 
 
 SIGNALS = [  # (signal, role, a setup fault armed for the next replica)
@@ -283,3 +333,4 @@ def test_soak_random_faults(rig):
     ok, err = clients.counts()
     REPORT.append({"case": "soak", "seconds": SOAK_S, "faults": injected,
                    "responses_ok_err": [ok, err]})
+

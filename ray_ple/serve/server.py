@@ -9,9 +9,11 @@ confirm that every worker attached. `check_health()` reports the supervisor's ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
+import psutil
 import ray
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -19,10 +21,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_ple.errors import PleError
 from ray_ple.log import log_event
 from ray_ple.serve.plan import ServerPlan
+from ray_ple.shm_leftovers import remove_unused, shm_files_of
 from ray_ple.supervisor import Supervisor, SupervisorSpec
 from ray_ple.tiny_model import resolve
 
 HEALTH_TIMEOUT_S = 5.0
+ENGINE_EXIT_S = 2.0  # for the engine's processes to exit once its shutdown has returned
 
 
 def _replica_tag() -> str:
@@ -71,11 +75,29 @@ class PleLLMServer(LLMServer):
                                    f" ({verdict['detail']})")
         await super().check_health()
 
+    async def ple_status(self) -> list[dict[str, Any]]:
+        """The replica's pairs, one snapshot each (empty when unoffloaded)."""
+        if self.supervisor is None:
+            return []
+        return await self.supervisor.statuses.remote()
+
     async def __del__(self) -> None:
-        """Orderly stop: the supervisor closes the pairs (no verdict), then the engine goes."""
+        """Orderly stop: the supervisor closes the pairs (no verdict), then the engine goes,
+        then what its processes left in /dev/shm (vLLM's message queues). Engine processes
+        still running after the engine's shutdown returned are ended first, as Ray would at
+        the replica's exit (after which nobody would remove their names)."""
+        holders = [p for p in psutil.Process().children(recursive=True) if shm_files_of([p.pid])]
+        shm_files = shm_files_of(p.pid for p in holders)
         if self.supervisor is not None:
             try:
                 await asyncio.wait_for(self.supervisor.close.remote(), HEALTH_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a dead supervisor has nothing left to close
                 pass
         await super().__del__()
+        _, lingering = await asyncio.to_thread(psutil.wait_procs, holders, ENGINE_EXIT_S)
+        for p in lingering:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        await asyncio.to_thread(psutil.wait_procs, lingering, ENGINE_EXIT_S)
+        log_event("engine_stopped", replica=_replica_tag(), ended=[p.pid for p in lingering],
+                  shm_removed=remove_unused(shm_files))
