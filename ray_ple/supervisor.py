@@ -193,7 +193,6 @@ class Supervisor:
                     w.set_state(State.CLOSED)
             self._pairs.kill()
 
-
     # watching ---------------------------------------------------------------------------
     def _watch_pid(self, pid: int) -> None:
         try:
