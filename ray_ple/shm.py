@@ -64,6 +64,16 @@ def free_bytes(shm_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def shmem_bytes() -> int:
+    """Shared memory in use system-wide (/proc/meminfo Shmem). Segments have no name once set
+    up, so this, not /dev/shm, is where a second table copy or a leaked segment shows."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Shmem in /proc/meminfo")
+
+
 class SharedSegment:
     """A mapped segment, either created here or attached from a peer's `SegmentRef`."""
 

@@ -24,11 +24,3 @@ def ple_processes() -> list[str]:
             found.append(f"{p.info['pid']}: {cmd[:120]}")
     return found
 
-
-def shmem_bytes() -> int:
-    """System-wide shared memory in use (tmpfs + nameless segments), from /proc/meminfo."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Shmem in /proc/meminfo")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from tests.leftovers import ple_shm_entries, shmem_bytes
+from ray_ple.shm import shmem_bytes
+from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, write_checkpoint
 
 ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo

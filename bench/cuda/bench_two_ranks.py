@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ import cuda_rig as rig  # noqa: E402
 
 from ray_ple.fatal import EXIT_CODE  # noqa: E402
 from ray_ple.handles import PairHandle  # noqa: E402
+from ray_ple.shm import shmem_bytes  # noqa: E402
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 WORDS = ROW_BYTES // 4
@@ -280,15 +282,6 @@ def side_by_side(ranks: list[RankProc], cmd: str, **args: Any) -> dict[str, Any]
 
 
 # host memory evidence -----------------------------------------------------------------------
-def meminfo_shmem() -> int:
-    """System-wide tmpfs/shared memory in bytes (a second table copy would add its size)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Shmem line in /proc/meminfo")
-
-
 _RANGE = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 
 
@@ -314,7 +307,7 @@ def table_evidence(offs: list[rig.OffloadProcess], ranks: list[RankProc],
                    inode: int) -> dict[str, Any]:
     procs = {f"offload{i}": o.pid for i, o in enumerate(offs)}
     procs.update({f"rank{r.index}": r.proc.pid for r in ranks})
-    return {"shmem_bytes": meminfo_shmem(),
+    return {"shmem_bytes": shmem_bytes(),
             **{k: inode_mapping(pid, inode) for k, pid in procs.items()}}
 
 
@@ -426,7 +419,10 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required")
-    run(a)
+    try:
+        run(a)
+    finally:  # the pattern checkpoint is gigabytes of tmpfs: never leave it behind
+        shutil.rmtree(a.work, ignore_errors=True)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -442,13 +438,13 @@ def run(a: argparse.Namespace) -> None:
     spin = a.spin_us if a.transport == "cuda" else 0.0
     offs: list[rig.OffloadProcess] = []
     ranks: list[RankProc] = []
-    shmem = [meminfo_shmem()]
+    shmem = [shmem_bytes()]
     try:
         for i in range(2):
             t0 = time.perf_counter()
             offs.append(rig.OffloadProcess(ckpt.parent, geo, spin_us=spin,
                                            actor_name=f"two-ranks-offload-{i}"))
-            shmem.append(meminfo_shmem())
+            shmem.append(shmem_bytes())
             res[f"offload{i}_setup_s"] = round(time.perf_counter() - t0, 2)
         status = [o.status() for o in offs]
         inode = status[0]["table_inodes"][0]
