@@ -2,7 +2,7 @@
 
 Every bad input is reported as one `PleError` subclass before anything is published to the
 other side of a pair; runtime loss of correspondence never raises these, it ends the replica
-through `ray_ple.fatal.fail_closed`.
+through `ray_ple.protocol.fatal.fail_closed`.
 """
 
 

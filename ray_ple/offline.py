@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ray_ple.config import PleConfig
-from ray_ple.pairs import PairSet
-from ray_ple.plan import plan_offload
+from ray_ple.supervision.offload_group import PairSet
+from ray_ple.engine_plan import plan_offload
 from ray_ple.tiny_model import resolve
 
 

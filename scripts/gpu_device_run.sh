@@ -33,7 +33,7 @@ fi
 
 if [[ $WHAT == all || $WHAT == memlock ]]; then
   stage "memlock probes"
-  SLOTS=$(python3 -c 'import sys; sys.path.insert(0, "."); from ray_ple.layout import PairLayout
+  SLOTS=$(python3 -c 'import sys; sys.path.insert(0, "."); from ray_ple.protocol.layout import PairLayout
 print(PairLayout.compute(8192, (17920,)).size)')
   TABLE=$((262144 * 17920 + 4096))
   P="timeout 120 python3 bench/cuda/memlock_probe.py"

@@ -16,7 +16,7 @@ fi
 say "installing ray-ple[$EXTRAS] (this takes a few minutes the first time)"
 "$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
 say "checking the torch companions pip pulled in"
-"$VENV/bin/python" -m ray_ple.install_check --fix
+"$VENV/bin/python" -m ray_ple.tools.install_check --fix
 say "checking that vLLM and Ray Serve LLM import"
 "$VENV/bin/python" -c "import vllm, ray.serve.llm; print('vllm', vllm.__version__)"
 say "done: activate with 'source $VENV/bin/activate'"

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from ray_ple.config import PleConfig
-from ray_ple.geometry import PleGeometry, geometry_from_config, read_hf_config
-from ray_ple.offload_actor import OffloadSpec
-from ray_ple.pairs import table_sources
+from ray_ple.protocol.geometry import PleGeometry, geometry_from_config, read_hf_config
+from ray_ple.offload.actor import OffloadSpec
+from ray_ple.supervision.offload_group import table_sources
 
 CTX = mp.get_context("spawn")
 
@@ -47,7 +47,7 @@ def spec_for(ckpt: Path, max_tokens: int, rank: int = 0, **ple: Any) -> OffloadS
 
 
 def _offload_main(spec: dict, conn) -> None:  # noqa: ANN001
-    from ray_ple.offload_actor import OffloadActor
+    from ray_ple.offload.actor import OffloadActor
 
     try:
         actor = OffloadActor(spec)
@@ -76,8 +76,8 @@ def _worker_main(handle: dict, geometry: dict, steps: list[list[int]], table_pat
     import torch
 
     from ray_ple.config import PleDeadlines
-    from ray_ple.handles import PairHandle
-    from ray_ple.worker_pair import WorkerPair
+    from ray_ple.protocol.handles import PairHandle
+    from ray_ple.worker.pair import WorkerPair
 
     expect = np.load(table_path)
     geo = PleGeometry.model_validate(geometry)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ray_ple.doctor import DoctorArgs, check_host_memory, check_shm
-from ray_ple.quantity import GiB
+from ray_ple.tools.doctor import DoctorArgs, check_host_memory, check_shm
+from ray_ple.tools.quantity import GiB
 
 LINE = re.compile(r"^(PASS|WARN|FAIL) (memlock|shm|cuda|host-memory|table): \S.*$")
 pytestmark = pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="CPU machine checks")
@@ -23,7 +23,7 @@ def doctor(*args: str, memlock: int | None = None) -> tuple[int, dict[str, str]]
         if memlock is not None:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
 
-    proc = subprocess.run([sys.executable, "-m", "ray_ple.cli", "doctor", *args], check=False,
+    proc = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", *args], check=False,
                           capture_output=True, text=True, timeout=60, preexec_fn=limit)
     lines = proc.stdout.splitlines()
     assert lines and all(LINE.match(line) for line in lines), proc.stdout + proc.stderr
@@ -98,7 +98,7 @@ def test_checkpoint_table_checked_against_its_budget(tmp_path):
 
 
 def test_doctor_loads_no_cuda_and_no_torch_on_a_cpu_machine():
-    code = ("import sys; from ray_ple.cli import main; rc = main(['doctor']); "
+    code = ("import sys; from ray_ple.tools.cli import main; rc = main(['doctor']); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('cuda', 'torch', 'vllm', 'ray')); print('LOADED', bad); "
             "print('MAPPED', 'libcuda' in open('/proc/self/maps').read()); sys.exit(rc)")

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from ray_ple.k8s.render import render_all, serve_config_v2
-from ray_ple.k8s.sizing import group_name, ingress_demand, model_demands
-from ray_ple.k8s.spec import ManifestSpec, load_spec
-from ray_ple.quantity import parse_bytes, parse_quantity
+from ray_ple.tools.k8s.render import render_all, serve_config_v2
+from ray_ple.tools.k8s.sizing import group_name, ingress_demand, model_demands
+from ray_ple.tools.k8s.spec import ManifestSpec, load_spec
+from ray_ple.tools.quantity import parse_bytes, parse_quantity
 from tests.k8s_schema import (
     CRDS_ENV,
     core_errors,
@@ -162,7 +162,7 @@ def test_serve_config_v2_args_rejected_without_a_checkpoint(mutate, match):
 
 def test_embedded_model_is_budgeted_with_its_real_geometry():
     """The tiny model's table is sized from its preset; the built checkpoint must agree."""
-    from ray_ple.geometry import geometry_from_config, read_hf_config
+    from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
     from ray_ple.tiny_model import resolve
 
     spec = SPECS["rayservice-tiny-cpu.yaml"]

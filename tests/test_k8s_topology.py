@@ -25,9 +25,9 @@ import requests
 import yaml
 from ray.cluster_utils import Cluster
 
-from ray_ple.k8s.sizing import group_name, ingress_demand, model_demands
-from ray_ple.k8s.spec import load_spec
-from ray_ple.quantity import parse_bytes
+from ray_ple.tools.k8s.sizing import group_name, ingress_demand, model_demands
+from ray_ple.tools.k8s.spec import load_spec
+from ray_ple.tools.quantity import parse_bytes
 from tests.leftovers import ple_shm_entries
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ray_ple.config import PleDeadlines
-from ray_ple.handles import PairHandle
-from ray_ple.worker_pair import WorkerPair
+from ray_ple.protocol.handles import PairHandle
+from ray_ple.worker.pair import WorkerPair
 from tests.rig import spec_for, start_offload, write_checkpoint
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_ple.fatal import EXIT_CODE, Reason
-from ray_ple.handles import PairHandle
-from ray_ple.layout import ControlBlock, State
-from ray_ple.shm import SharedSegment
+from ray_ple.protocol.fatal import EXIT_CODE, Reason
+from ray_ple.protocol.handles import PairHandle
+from ray_ple.protocol.layout import ControlBlock, State
+from ray_ple.protocol.shm import SharedSegment
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 

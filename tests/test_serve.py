@@ -16,7 +16,7 @@ import pytest
 import requests
 import yaml
 
-from ray_ple.shm_leftovers import SHM_DIR, remove_unused, shm_files_of
+from ray_ple.supervision.engine_leftovers import SHM_DIR, remove_unused, shm_files_of
 from ray_ple.tiny_model import PRESETS, build
 from tests.hf_reference import hf_agrees
 from tests.leftovers import ple_processes, ple_shm_entries

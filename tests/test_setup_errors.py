@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from ray_ple.config import PleConfig, PleDeadlines
 from ray_ple.errors import PleHandleError, PleModelError, PleShmError, PleTokenCountError
-from ray_ple.geometry import geometry_from_config, read_hf_config
-from ray_ple.handles import PairHandle
-from ray_ple.layout import ControlBlock, State
-from ray_ple.shm import SharedSegment, free_bytes
-from ray_ple.worker_pair import WorkerPair
+from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
+from ray_ple.protocol.handles import PairHandle
+from ray_ple.protocol.layout import ControlBlock, State
+from ray_ple.protocol.shm import SharedSegment, free_bytes
+from ray_ple.worker.pair import WorkerPair
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, write_checkpoint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from ray_ple.shm import shmem_bytes
+from ray_ple.protocol.shm import shmem_bytes
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, write_checkpoint
 

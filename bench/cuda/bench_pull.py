@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 import cuda_rig as rig
 
-import ray_ple.ops  # noqa: F401 - registers ray_ple::pull
-from ray_ple.shm import page_align
-from ray_ple.transport.cuda import kernels_for
-from ray_ple.transport.cuda_host import check, driver, register_host
+import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
+from ray_ple.protocol.shm import page_align
+from ray_ple.worker.transport.cuda import kernels_for
+from ray_ple.worker.transport.cuda_host import check, driver, register_host
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 

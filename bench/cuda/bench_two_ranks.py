@@ -18,7 +18,7 @@ Measured per rank, alone and with both ranks stepping at once, side by side in o
 
 Every row of every step is verified on the GPU against the pattern (`cuda_rig.StandIn`).
 Last, the isolation check: rank 1's offload process is SIGKILLed while both ranks step; rank
-1's worker must fail closed (`ray_ple.fatal`: exit 86 within the heartbeat deadline) while
+1's worker must fail closed (`ray_ple.protocol.fatal`: exit 86 within the heartbeat deadline) while
 rank 0 keeps stepping with every row right.
 
     python bench/cuda/bench_two_ranks.py --out DIR                         # on the GPU
@@ -51,9 +51,9 @@ sys.path.insert(0, str(HERE.parent))
 import bench_pull  # noqa: E402 - after its folder joins sys.path
 import cuda_rig as rig  # noqa: E402
 
-from ray_ple.fatal import EXIT_CODE  # noqa: E402
-from ray_ple.handles import PairHandle  # noqa: E402
-from ray_ple.shm import shmem_bytes  # noqa: E402
+from ray_ple.protocol.fatal import EXIT_CODE  # noqa: E402
+from ray_ple.protocol.handles import PairHandle  # noqa: E402
+from ray_ple.protocol.shm import shmem_bytes  # noqa: E402
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 WORDS = ROW_BYTES // 4
@@ -165,7 +165,7 @@ class Rank:
 
     def burst(self, t: int, k: int, start_at: float) -> dict[str, Any]:
         """k back-to-back copies of T rows from the pinned slot (copy engine), event-timed."""
-        from ray_ple.transport.cuda_host import check, driver
+        from ray_ple.worker.transport.cuda_host import check, driver
 
         d, src = driver(), self.pair.transport._slot_host[0]
         nbytes = t * ROW_BYTES
@@ -197,7 +197,7 @@ def rank_main(index: int) -> None:
     init = json.loads(sys.stdin.readline())
     transport = init["transport"]
     if transport == "cuda":
-        import ray_ple.ops  # noqa: F401 - registers ray_ple::pull
+        import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
     geo = rig.geometry(init["rows"], init["max_tokens"])
     pair = rig.attach(PairHandle.model_validate(init["handle"]), geo, transport)
     rank = Rank(pair, init["rows"], transport, index)

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ray_ple.errors import PleEnvironmentError
-from ray_ple.shm import SharedSegment
-from ray_ple.transport.cuda_host import check, driver, memlock_limits, register_host
+from ray_ple.protocol.shm import SharedSegment
+from ray_ple.worker.transport.cuda_host import check, driver, memlock_limits, register_host
 
 CAP_IPC_LOCK = 14
 

@@ -13,8 +13,8 @@ from ray.serve import Application
 from ray_ple.config import PleConfig
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
-from ray_ple.plan import plan_offload, slot_tokens
-from ray_ple.serve.plan import ServerPlan
+from ray_ple.engine_plan import plan_offload, slot_tokens
+from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.tiny_model import resolve
 
 SERVER_CLS = "ray_ple.serve.server:PleLLMServer"

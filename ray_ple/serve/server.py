@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ple.errors import PleError
 from ray_ple.log import log_event
-from ray_ple.serve.plan import ServerPlan
-from ray_ple.shm_leftovers import remove_unused, shm_files_of
-from ray_ple.supervisor import Supervisor, SupervisorSpec
+from ray_ple.serve.server_plan import ServerPlan
+from ray_ple.supervision.engine_leftovers import remove_unused, shm_files_of
+from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec
 from ray_ple.tiny_model import resolve
 
 HEALTH_TIMEOUT_S = 5.0

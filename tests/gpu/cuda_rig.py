@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ray_ple import worker_pair  # noqa: E402 - after the repo joins sys.path
+from ray_ple.worker import pair as worker_pair  # noqa: E402 - after the repo joins sys.path
 from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
-from ray_ple.geometry import LayerGeometry, PleGeometry  # noqa: E402
-from ray_ple.handles import PairHandle  # noqa: E402
-from ray_ple.table_store import TableSource  # noqa: E402
-from ray_ple.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
+from ray_ple.protocol.geometry import LayerGeometry, PleGeometry  # noqa: E402
+from ray_ple.protocol.handles import PairHandle  # noqa: E402
+from ray_ple.offload.table_store import TableSource  # noqa: E402
+from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
 
 LAYER = "model.embed_tokens_per_layer"
 TENSOR = "model.embed_tokens_per_layer.weight"
@@ -309,7 +309,7 @@ def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int) -> di
     import mmap
     import secrets
 
-    import ray_ple.ops  # noqa: F401 - registers ray_ple::pull in this process
+    import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull in this process
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -359,7 +359,7 @@ def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int) -> di
 
 def geometry_mismatch_scenario(work: Path) -> None:
     """Replay a graph captured for 8 tokens in a step that posted 16: must end the process."""
-    import ray_ple.ops  # noqa: F401
+    import ray_ple.worker.ops  # noqa: F401
 
     geo = geometry(4096, max_tokens=64)
     off = OffloadProcess(work / "ckpt", geo, spin_us=1000)

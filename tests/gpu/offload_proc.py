@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ray_ple.offload_actor import OffloadActor
+from ray_ple.offload.actor import OffloadActor
 
 
 def cuda_libraries_mapped(pid: int | str = "self") -> list[str]:

@@ -42,7 +42,7 @@ def gpu(ckpt: Path) -> Iterator[tuple[rig.OffloadProcess, object]]:
     """One offload process and this process's one CUDA pair, shared by the CUDA tests."""
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
-    import ray_ple.ops  # noqa: F401 - registers ray_ple::pull
+    import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
 
     geo = rig.geometry(ROWS, MAX_TOKENS)
     off = rig.OffloadProcess(ckpt, geo, spin_us=2000)
@@ -193,7 +193,7 @@ def test_rig_closed_loop_on_the_cpu_transport(ckpt: Path) -> None:
     """The same engine loop and offload process, CPU transport, in a fresh process."""
     code = (
         f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
-        "import cuda_rig as r; import ray_ple.ops; from pathlib import Path; "
+        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
         f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
         "p = r.attach(o.handle, g, 'cpu'); "
         f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu')); "

@@ -20,7 +20,7 @@ def doctor(*args: str, memlock: int | None = None) -> tuple[int, dict[str, str],
         if memlock is not None:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
 
-    proc = subprocess.run([sys.executable, "-m", "ray_ple.cli", "doctor", *args], check=False,
+    proc = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", *args], check=False,
                           capture_output=True, text=True, timeout=120, preexec_fn=limit)
     print(proc.stdout)
     lines = proc.stdout.splitlines()
@@ -40,7 +40,7 @@ def test_gpu_pod_checks_pass_under_a_64_kib_memlock():
 
 @needs_gpu
 def test_cpu_transport_on_a_gpu_node_warns_and_loads_no_cuda():
-    code = ("import sys; from ray_ple.cli import main; rc = main(['doctor', '--transport', "
+    code = ("import sys; from ray_ple.tools.cli import main; rc = main(['doctor', '--transport', "
             "'cpu']); print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == "
             "'cuda')); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,

@@ -1,0 +1,80 @@
+"""From a checkpoint, a `ple:` block and engine kwargs to everything an offloaded engine needs.
+
+Shared by the Serve builder and the offline API, so both start engines the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple.config import PleConfig
+from ray_ple.protocol.engine_settings import PleEngineSettings
+from ray_ple.errors import PleConfigError
+from ray_ple.protocol.geometry import ARCHITECTURES, PleGeometry, geometry_from_config, read_hf_config
+from ray_ple.supervision.offload_group import table_sources
+from ray_ple.offload.table_store import TableSource
+
+DEFAULT_MAX_TOKENS = 8192
+
+
+class OffloadPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    checkpoint_dir: str
+    geometry: PleGeometry
+    settings: PleEngineSettings
+    sources: tuple[TableSource, ...]
+    engine_kwargs: dict[str, Any]
+    env: dict[str, str]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
+
+def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
+    """Slot rows (`max_tokens`), checked against the engine's parallelism and batch.
+
+    Needs no checkpoint, so manifests can be checked where the checkpoint does not exist.
+    """
+    for key in ("pipeline_parallel_size", "data_parallel_size"):
+        if int(engine_kwargs.get(key, 1)) != 1:
+            raise PleConfigError(f"PLE offload supports tensor parallelism only ({key} must be 1)")
+    engine_max = engine_kwargs.get("max_num_batched_tokens")
+    max_tokens = ple.max_tokens or engine_max or DEFAULT_MAX_TOKENS
+    if engine_max is not None and engine_max > max_tokens:
+        raise PleConfigError(f"max_num_batched_tokens={engine_max} exceeds ple.max_tokens="
+                             f"{max_tokens}")
+    return max_tokens
+
+
+def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, Any],
+                 transport: str) -> OffloadPlan:
+    """Validate and derive; raises one clear `PleError` for any bad input."""
+    kw = dict(engine_kwargs)
+    max_tokens = slot_tokens(ple, kw)
+    kw.setdefault("max_num_batched_tokens", max_tokens)
+    geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
+                                    engine_dtype=kw.get("dtype"))
+    settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
+                                 deadlines=ple.deadlines,
+                                 heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)
+    from ray_ple.worker.vllm_plugin.runner import WORKER_CLS  # lazy: imports vLLM
+
+    if kw.get("worker_cls") not in (None, "auto", WORKER_CLS[transport]):
+        raise PleConfigError(f"worker_cls is set by ray-ple ({WORKER_CLS[transport]})")
+    kw["worker_cls"] = WORKER_CLS[transport]
+    hf_overrides = dict(kw.get("hf_overrides") or {})
+    hf_overrides["architectures"] = [ARCHITECTURES[geometry.architecture].offload_arch]
+    kw["hf_overrides"] = hf_overrides
+    kw["additional_config"] = {**(kw.get("additional_config") or {}),
+                               **settings.additional_config()}
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if transport == "cuda":
+        kw["async_scheduling"] = False
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(
+            int(kw.get("tensor_parallel_size", 1))))
+    return OffloadPlan(checkpoint_dir=checkpoint_dir, geometry=geometry, settings=settings,
+                       sources=table_sources(geometry, checkpoint_dir, ple.table_tensor),
+                       engine_kwargs=kw, env=env)

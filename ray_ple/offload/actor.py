@@ -1,0 +1,221 @@
+"""The offload actor: a CPU-only Ray actor serving one engine worker's transactions.
+
+It holds a read-only view of the node's table, creates its pair segment, hands the handle to
+the supervisor, and runs one serving thread: wait for the doorbell, serve each posted step
+exactly once (`OffloadEnd`), and fail closed on anything the rules forbid, on a worker whose
+heartbeat stopped, or on a published step that is not released in time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple.testing import faults
+from ray_ple.config import PleConfig
+from ray_ple.offload.cuda_guard import cuda_evidence, hide_cuda
+from ray_ple.protocol.doorbell import DoorbellListener
+from ray_ple.protocol.fatal import Reason, fail_closed
+from ray_ple.offload.gather import RowGatherer
+from ray_ple.protocol.geometry import PleGeometry
+from ray_ple.protocol.handles import make_pair_handle
+from ray_ple.protocol.layout import ControlBlock, PairLayout, State
+from ray_ple.log import log_event
+from ray_ple.protocol.shm import SharedSegment, sweep_orphans
+from ray_ple.offload.table_store import NodeTable, TableSource, acquire_table
+from ray_ple.protocol.transaction import OffloadEnd
+
+
+class OffloadSpec(BaseModel):
+    """What one offload actor serves; built by the supervisor, validated on arrival."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rank: int
+    actor_name: str
+    geometry: PleGeometry
+    sources: tuple[TableSource, ...]
+    config: PleConfig
+
+
+class PairStatus(BaseModel):
+    """A snapshot of one pair as its offload actor sees it (for health and the supervisor)."""
+
+    rank: int
+    pid: int
+    node_id: str
+    state: str
+    reason: int
+    posted: int
+    published: tuple[int, ...]
+    released: int
+    worker_heartbeat_age_s: float | None
+    cuda_evidence: list[str]
+    torch_imported: bool
+    table_fingerprints: list[str]
+    table_inodes: list[int]
+
+
+def node_id() -> str:
+    """The Ray node this process runs on ("local" outside Ray, e.g. the GPU test rig)."""
+    try:
+        import ray
+    except ImportError:
+        return "local"
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+class OffloadActor:
+    """Plain class; `ray.remote(OffloadActor)` makes it the actor (see `ray_ple.supervision.offload_group`)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        hide_cuda()
+        self.spec = OffloadSpec.model_validate(spec)
+        self.tables: list[NodeTable] = []
+        self.segment: SharedSegment | None = None
+        self.block: ControlBlock | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # setup ------------------------------------------------------------------------------
+    def setup(self) -> dict[str, Any]:
+        """Hold the node tables, create the pair segment, start serving; return the handle."""
+        spec, cfg = self.spec, self.spec.config
+        if faults.ACTIVE and faults.hit("offload.die_during_setup", spec.rank):
+            os._exit(1)
+        sweep_orphans(cfg.shm_dir)
+        self.tables = [acquire_table(src, shm_dir=cfg.shm_dir,
+                                     deadline_s=cfg.deadlines.startup_s) for src in spec.sources]
+        fp = (self.tables[0].fingerprint if len(self.tables) == 1 else hashlib.sha256(
+            "".join(t.fingerprint for t in self.tables).encode()).hexdigest())
+        layout = PairLayout.compute(spec.geometry.max_tokens,
+                                    tuple(g.row_bytes for g in spec.geometry.layers))
+        self.segment = SharedSegment.create("pair", layout.size, cfg.shm_dir)
+        self.block = ControlBlock(self.segment, layout)
+        self.block.write_header(self.segment.token, fp)
+        self.block.set_state(State.INIT)
+        self._bell = DoorbellListener(self.segment.token)
+        self._end = OffloadEnd(self.block, spec.rank, cfg.deadlines)
+        self._gather = [RowGatherer(t.rows, layout.max_tokens, cfg.gather_threads)
+                        for t in self.tables]
+        self._thread = threading.Thread(target=self._serve, name="ray-ple-offload", daemon=True)
+        self._thread.start()
+        handle = make_pair_handle(
+            rank=spec.rank, segment=self.segment.ref(),
+            node_id=node_id(), actor_name=spec.actor_name,
+            fingerprint=fp, geometry=spec.geometry, layout=layout)
+        log_event("offload_ready", rank=spec.rank, layers=list(spec.geometry.layer_names),
+                  segment_bytes=layout.size)
+        if faults.ACTIVE and faults.hit("offload.corrupt_handle", spec.rank):
+            handle = handle.model_copy(update={"segment": handle.segment.model_copy(
+                update={"token": "0" * 32})})
+        return handle.model_dump()
+
+    # serving ----------------------------------------------------------------------------
+    def _gather_layer(self, layer: int, ids, out) -> None:  # noqa: ANN001 - numpy views
+        self._gather[layer](ids, out)
+
+    def _serve(self) -> None:
+        b, end, cfg = self.block, self._end, self.spec.config
+        names = self.spec.geometry.layer_names
+        assert b is not None
+        hb_ns = int(cfg.deadlines.heartbeat_s * 1e9)
+        step_ns = int(cfg.deadlines.step_s * 1e9)
+        poll = cfg.supervisor.heartbeat_interval_s
+        published_at = 0
+        spin_s = cfg.offload_spin_us * 1e-6
+        placed = False
+        while not self._stop.is_set():
+            now = time.monotonic_ns()
+            b.beat("offload", now)
+            state = b.state
+            if state is State.CLOSED:
+                return
+            if state is State.READY and not placed:
+                placed = True
+                self._keep_off_worker_cores()
+            if state is State.FAILED:
+                fail_closed("offload", Reason.PEER_FAILED, block=b, rank=end.rank, seq=end.last,
+                            detail=f"worker side failed with reason {b.reason}")
+            if state is State.READY and now - b.heartbeat("worker") > hb_ns:
+                fail_closed("offload", Reason.HEARTBEAT, block=b, rank=end.rank, seq=end.last,
+                            detail="worker heartbeat stopped")
+            step = end.next_step()
+            if step is not None:
+                end.publish(step, self._gather_layer, names)
+                published_at = time.monotonic_ns()
+                continue
+            if b.released < end.last and time.monotonic_ns() - published_at > step_ns:
+                fail_closed("offload", Reason.STEP_DEADLINE, block=b, rank=end.rank,
+                            seq=end.last,
+                            detail=f"step not released within {cfg.deadlines.step_s}s")
+            if spin_s and self._spin(end.last, spin_s):
+                step = end.next_step()  # serve at once: every check above ran just now
+                if step is not None:
+                    end.publish(step, self._gather_layer, names)
+                    published_at = time.monotonic_ns()
+                continue
+            self._bell.wait(poll)
+
+    def _keep_off_worker_cores(self) -> None:
+        """Serve from cores the worker is not bound to, where the host has any.
+
+        vLLM-CPU binds its worker's threads to cores. A doorbell wakes this thread on the
+        ringing core by preference, where it preempts the very forward it feeds (measured in
+        bench/cpu/README.md). Only this serving thread moves; with no free core (e.g. TP over
+        every core) nothing changes.
+        """
+        try:
+            worker = os.sched_getaffinity(self.block.worker_pid)
+            mine = os.sched_getaffinity(0)
+        except OSError:  # no such worker: its heartbeat and the supervisor will say
+            return
+        free = mine - worker
+        if free and free != mine:
+            os.sched_setaffinity(0, free)
+            log_event("offload_cores", rank=self.spec.rank, cores=sorted(free),
+                      worker_cores=sorted(worker))
+
+    def _spin(self, last: int, spin_s: float) -> bool:
+        """Bounded spin until `posted` moves past `last` (True) or the time is up (False)."""
+        b = self.block
+        deadline = time.perf_counter() + spin_s
+        while b.posted == last:
+            if time.perf_counter() >= deadline:
+                return False
+        return True
+
+    # queries ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        b = self.block
+        posted, published, released = b.counters() if b else (0, (), 0)
+        hb = b.heartbeat("worker") if b else 0
+        return PairStatus(
+            rank=self.spec.rank, pid=os.getpid(), node_id=node_id(),
+            state=b.state.name if b else "NONE", reason=b.reason if b else 0, posted=posted,
+            published=published, released=released,
+            worker_heartbeat_age_s=(time.monotonic_ns() - hb) / 1e9 if hb else None,
+            cuda_evidence=cuda_evidence(), torch_imported="torch" in sys.modules,
+            table_fingerprints=[t.fingerprint for t in self.tables],
+            table_inodes=[t.segment.inode for t in self.tables],
+        ).model_dump()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        """Orderly end (replica shutdown): CLOSED, stop serving, drop every hold."""
+        self._stop.set()
+        if self.block is not None and self.block.state is not State.FAILED:
+            self.block.set_state(State.CLOSED)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        for t in self.tables:
+            t.close()
+        if self.segment is not None:
+            self.segment.close()

@@ -1,0 +1,254 @@
+"""The node's one read-only host copy of each PLE table, shared by every offload actor.
+
+The copy is a `SharedSegment` (nameless tmpfs memory, freed by the kernel with its last
+holder, so a crash cannot leak it). Holders find each other through an abstract Unix socket
+named after the table's fingerprint: the first to bind it loads the table from the
+checkpoint's safetensors (never through a GPU) and then hands the segment's fd to whoever
+connects (SCM_RIGHTS, same user only). Any holder takes the name over when the server goes,
+so the copy stays shareable while anyone holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple.errors import PleModelError, PleShmError
+from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
+from ray_ple.log import Progress, log_event
+from ray_ple.protocol.shm import PAGE, SharedSegment
+
+_HDR = struct.Struct("<QIIQQ32s")  # magic, version, ready, rows, row_bytes, fingerprint
+_MAGIC = 0x31424154454C5052  # "RPLETAB1"
+_CHUNK = 64 << 20
+
+
+class TensorLocation(BaseModel):
+    """Where the table's bytes are in the checkpoint."""
+
+    model_config = ConfigDict(frozen=True)
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class TableSource(BaseModel):
+    """A table to hold on this node: checkpoint tensor + the geometry the engine expects."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    checkpoint_dir: str
+    tensor_names: tuple[str, ...]
+    layer: LayerGeometry
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def locate_tensor(source: TableSource) -> TensorLocation:
+    """Find the PLE tensor in the checkpoint's safetensors files."""
+    ckpt = Path(source.checkpoint_dir)
+    files = sorted(ckpt.glob("*.safetensors"))
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [ckpt / weight_map[n] for n in source.tensor_names if n in weight_map] or files
+    if not files:
+        raise PleModelError(f"no .safetensors files in {ckpt}")
+    for path in files:
+        header, data_start = _read_header(path)
+        for name in source.tensor_names:
+            if name in header:
+                e = header[name]
+                b, end = e["data_offsets"]
+                return TensorLocation(file=str(path.resolve()), name=name, dtype=e["dtype"],
+                                      shape=tuple(e["shape"]), begin=data_start + b,
+                                      end=data_start + end)
+    raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
+                        f"{list(source.tensor_names)})")
+
+
+def fingerprint(loc: TensorLocation, layer: LayerGeometry) -> str:
+    """Identity of one table copy: the tensor's file and entry, plus the engine dtype."""
+    st = os.stat(loc.file)
+    key = json.dumps([loc.model_dump(), st.st_size, st.st_mtime_ns, st.st_ino,
+                      layer.model_dump()], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class NodeTable:
+    """This process's hold on the node table: a read-only (rows, row_bytes) view."""
+
+    def __init__(self, segment: SharedSegment, layer: LayerGeometry, fp: str,
+                 listener: socket.socket | None, name: bytes) -> None:
+        self.segment, self.layer, self.fingerprint = segment, layer, fp
+        self.rows = np.ndarray((layer.rows, layer.row_bytes), np.uint8, segment.map, PAGE)
+        self.rows.flags.writeable = False
+        self._name = name
+        self._listener = listener
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="ray-ple-table-broker",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        """Serve the fd while holding the name; otherwise try to take the name over."""
+        while not self._closed.is_set():
+            if self._listener is None:
+                self._listener = _try_bind(self._name)
+                if self._listener is None:
+                    self._closed.wait(0.5)
+                    continue
+                self._listener.listen(64)
+            try:
+                self._listener.settimeout(0.5)
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                uid = struct.unpack("3i", conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+                if uid != os.getuid():
+                    continue
+                meta = json.dumps({"fingerprint": self.fingerprint, "size": self.segment.size,
+                                   "token": self.segment.token}).encode()
+                try:
+                    socket.send_fds(conn, [meta], [self.segment.fd])
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        self._thread.join(timeout=2)
+        self.segment.close()
+
+
+def _try_bind(name: bytes) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(name)
+        return sock
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
+
+
+def _receive(name: bytes, fp: str) -> SharedSegment | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(5)
+        sock.connect(name)
+        msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+    except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
+        return None
+    finally:
+        sock.close()
+    if not fds:
+        return None
+    meta = json.loads(msg)
+    if meta["fingerprint"] != fp:
+        os.close(fds[0])
+        return None
+    return SharedSegment(fds[0], meta["size"], meta["token"], owner=False)
+
+
+def _header(seg: SharedSegment) -> tuple[int, int, int, int, int, str]:
+    magic, version, ready, rows, row_bytes, fp = _HDR.unpack_from(seg.map, 0)
+    return magic, version, ready, rows, row_bytes, fp.hex()
+
+
+def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str) -> None:
+    src_dtype = safetensors_dtype(loc.dtype)
+    if loc.shape != (layer.rows, layer.row_elems):
+        raise PleModelError(f"{loc.name} has shape {list(loc.shape)}, the model config says "
+                            f"[{layer.rows}, {layer.row_elems}]")
+    nbytes = layer.table_bytes
+    progress = Progress("table_load", nbytes, tensor=loc.name, fingerprint=fp[:12])
+    dst = memoryview(seg.map)[PAGE:PAGE + nbytes]
+    if src_dtype == layer.dtype:
+        with open(loc.file, "rb", buffering=0) as f:
+            f.seek(loc.begin)
+            done = 0
+            while done < nbytes:
+                n = f.readinto(dst[done:done + _CHUNK])
+                if not n:
+                    raise PleModelError(f"{loc.file} ends inside {loc.name}")
+                done += n
+                progress.update(done)
+    else:  # cast exactly as the engine would (torch CPU; CUDA stays hidden in this process)
+        import torch
+
+        src_item, rows_per_chunk = ITEMSIZE[src_dtype], max(1, _CHUNK // layer.row_bytes)
+        out = torch.frombuffer(dst, dtype=getattr(torch, layer.dtype)).view(layer.rows, -1)
+        with open(loc.file, "rb", buffering=0) as f:
+            for r in range(0, layer.rows, rows_per_chunk):
+                n = min(rows_per_chunk, layer.rows - r)
+                f.seek(loc.begin + r * layer.row_elems * src_item)
+                raw = bytearray(f.read(n * layer.row_elems * src_item))
+                src = torch.frombuffer(raw, dtype=getattr(torch, src_dtype)).view(n, -1)
+                out[r:r + n].copy_(src)
+                progress.update((r + n) * layer.row_bytes)
+    dst.release()
+    progress.finish()
+
+
+def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float) -> NodeTable:
+    """Hold this node's copy of `source`, loading it if no one on the node has it yet."""
+    loc = locate_tensor(source)
+    fp = fingerprint(loc, source.layer)
+    name = f"\0ray-ple-table-{os.getuid()}-{fp}".encode()
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        listener = _try_bind(name)
+        if listener is not None:
+            try:
+                seg = SharedSegment.create("table", PAGE + source.layer.table_bytes, shm_dir)
+            except PleShmError:
+                listener.close()
+                raise
+            try:
+                _load(seg, loc, source.layer, fp)
+            except BaseException:
+                listener.close()
+                seg.close()
+                raise
+            _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
+                           bytes.fromhex(fp))
+            listener.listen(64)
+            log_event("table_hold", role="loader", fingerprint=fp[:12],
+                      bytes=source.layer.table_bytes)
+            return NodeTable(seg, source.layer, fp, listener, name)
+        seg = _receive(name, fp)
+        if seg is None:
+            time.sleep(0.05)  # the holder is still loading, or just went away
+            continue
+        magic, _, ready, rows, row_bytes, got_fp = _header(seg)
+        if (magic, ready, rows, row_bytes, got_fp) != (_MAGIC, 1, source.layer.rows,
+                                                       source.layer.row_bytes, fp):
+            seg.close()
+            raise PleModelError(f"node table {fp[:12]} served by a peer does not match")
+        log_event("table_hold", role="sharer", fingerprint=fp[:12],
+                  bytes=source.layer.table_bytes)
+        return NodeTable(seg, source.layer, fp, None, name)
+    raise PleModelError(f"table {fp[:12]} not available within {deadline_s}s")

@@ -1,0 +1,68 @@
+"""The one fatal path: mark the pair FAILED, one bounded structured line, exit.
+
+Nothing clever on the way down: no retry, no reset, no cleanup that could block. The kernel
+frees the shared memory with its last holder; the supervisor ends the rest of the replica.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from ray_ple.log import log_event
+
+if TYPE_CHECKING:
+    from ray_ple.protocol.layout import ControlBlock
+
+EXIT_CODE = 86
+
+
+class Reason(enum.IntEnum):
+    """Why correspondence was lost; written into the control block and every verdict."""
+
+    NONE = 0
+    COUNTER_SKIP = 1
+    COUNTER_BACK = 2
+    INVARIANT = 3
+    OFFLOAD_WAIT = 4
+    CONSUME_WAIT = 5
+    STEP_DEADLINE = 6
+    ABANDONED = 7
+    PEER_DEAD = 8
+    HEARTBEAT = 9
+    TOKEN_COUNT = 10
+    PEER_FAILED = 11
+    SEGMENT_LOST = 12
+    STARTUP_DEADLINE = 13
+    NO_TRANSACTION = 14
+    STATE = 15
+    GEOMETRY = 16
+    PEER_STOPPED = 17
+    PUBLISH_DEADLINE = 18
+
+
+def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
+    """First writer wins: a FAILED block keeps its first reason."""
+    from ray_ple.protocol.layout import State
+
+    if block is not None:
+        try:
+            if block.state is not State.FAILED:
+                block.set_state(State.FAILED, int(reason))
+        except Exception:  # noqa: BLE001 - the segment may be gone; we are exiting anyway
+            pass
+
+
+def fail_closed(where: str, reason: Reason, *, block: ControlBlock | None = None,
+                rank: int | None = None, layer: str | None = None, seq: int | None = None,
+                detail: str = "", **fields: Any) -> NoReturn:
+    """End this process now; the pair is marked FAILED so that every watcher sees why."""
+    mark_failed(block, reason)
+    log_event("verdict", level=logging.ERROR, where=where, reason=reason.name, rank=rank,
+              layer=layer, seq=seq, detail=detail[:500], **fields)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)

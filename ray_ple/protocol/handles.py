@@ -1,0 +1,143 @@
+"""Handles: the one object that crosses from the offload actor to the worker.
+
+A handle names a live segment and its whole geometry. It is exchanged once at setup, through
+the supervisor, and the worker validates every field (against the layout it recomputes, the
+segment's own header, and its own model) before it maps or registers anything.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ray_ple.errors import PleHandleError
+from ray_ple.protocol.geometry import ITEMSIZE, DType, PleGeometry
+from ray_ple.protocol.layout import LAYOUT_VERSION, MAGIC, PairLayout
+from ray_ple.protocol.shm import SegmentRef
+
+
+class _Handle(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SlotHandle(_Handle):
+    """One offloaded layer's output slot and flag inside a pair segment."""
+
+    layer_name: str
+    index: int = Field(ge=0)
+    rows: int = Field(gt=0)
+    row_bytes: int = Field(gt=0)
+    dtype: DType
+    max_tokens: int = Field(gt=0)
+    slot_offset: int = Field(ge=0)
+    slot_bytes: int = Field(gt=0)
+    flag_offset: int = Field(ge=0)
+    published_offset: int = Field(ge=0)
+
+
+class ControlHandle(_Handle):
+    """The control block: state, heartbeats, counters and the input slot."""
+
+    count_offset: int = Field(ge=0)
+    ids_offset: int = Field(ge=0)
+    max_tokens: int = Field(gt=0)
+
+
+class PairHandle(_Handle):
+    """Everything a worker of `rank` needs to map its pair; valid while the actor lives."""
+
+    rank: int = Field(ge=0)
+    segment: SegmentRef
+    node_id: str
+    actor_name: str
+    layout_version: int
+    table_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    control: ControlHandle
+    slots: tuple[SlotHandle, ...] = Field(min_length=1)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(s.layer_name for s in self.slots)
+
+    def layout(self) -> PairLayout:
+        return PairLayout.compute(self.control.max_tokens, tuple(s.row_bytes for s in self.slots),
+                                  version=self.layout_version)
+
+
+def make_pair_handle(*, rank: int, segment: SegmentRef, node_id: str, actor_name: str,
+                     fingerprint: str, geometry: PleGeometry, layout: PairLayout) -> PairHandle:
+    slots = tuple(
+        SlotHandle(
+            layer_name=g.layer_name, index=i, rows=g.rows, row_bytes=g.row_bytes, dtype=g.dtype,
+            max_tokens=layout.max_tokens, slot_offset=layout.slot_offsets[i],
+            slot_bytes=layout.max_tokens * g.row_bytes, flag_offset=layout.flag_offsets[i],
+            published_offset=layout.published_offsets[i],
+        )
+        for i, g in enumerate(geometry.layers)
+    )
+    return PairHandle(
+        rank=rank, segment=segment, node_id=node_id, actor_name=actor_name,
+        layout_version=layout.version, table_fingerprint=fingerprint,
+        control=ControlHandle(count_offset=layout.count_offset, ids_offset=layout.ids_offset,
+                              max_tokens=layout.max_tokens),
+        slots=slots,
+    )
+
+
+def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int) -> PairLayout:
+    """Check a handle against the geometry this side derived itself; return its layout.
+
+    One `PleHandleError` naming the first field that differs. Nothing is mapped here.
+    """
+    def bad(what: str) -> PleHandleError:
+        return PleHandleError(f"pair handle for rank {rank} rejected: {what}")
+
+    if handle.rank != rank:
+        raise bad(f"it is for rank {handle.rank}")
+    if handle.layout_version != LAYOUT_VERSION:
+        raise bad(f"layout version {handle.layout_version}, this side speaks {LAYOUT_VERSION}")
+    if handle.layer_names != expected.layer_names:
+        raise bad(f"layer names {list(handle.layer_names)} != {list(expected.layer_names)}")
+    if handle.control.max_tokens != expected.max_tokens:
+        raise bad(f"max_tokens {handle.control.max_tokens} != {expected.max_tokens}")
+    for i, (slot, geo) in enumerate(zip(handle.slots, expected.layers)):
+        if slot.index != i:
+            raise bad(f"slot {slot.layer_name} has index {slot.index}")
+        for field, want in (("rows", geo.rows), ("row_bytes", geo.row_bytes),
+                            ("dtype", geo.dtype), ("max_tokens", expected.max_tokens),
+                            ("slot_bytes", expected.max_tokens * geo.row_bytes)):
+            if getattr(slot, field) != want:
+                raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)!r}, "
+                          f"expected {want!r}")
+        if slot.row_bytes % ITEMSIZE[slot.dtype]:
+            raise bad(f"{slot.layer_name}.row_bytes not a multiple of {slot.dtype}")
+    layout = handle.layout()
+    for slot in handle.slots:
+        i = slot.index
+        for field, want in (("slot_offset", layout.slot_offsets[i]),
+                            ("flag_offset", layout.flag_offsets[i]),
+                            ("published_offset", layout.published_offsets[i])):
+            if getattr(slot, field) != want:
+                raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)}, layout says {want}")
+    if (handle.control.count_offset, handle.control.ids_offset) != (
+            layout.count_offset, layout.ids_offset):
+        raise bad("control offsets differ from the layout")
+    if handle.segment.size != layout.size:
+        raise bad(f"segment size {handle.segment.size} != layout size {layout.size}")
+    return layout
+
+
+def validate_segment_header(header: tuple[int, int, int, int, str, str],
+                            handle: PairHandle) -> None:
+    """The mapped segment must say what the handle says (guards fd reuse and stale handles)."""
+    magic, version, n_layers, max_tokens, token, fingerprint = header
+    if magic != MAGIC:
+        raise PleHandleError(f"segment of rank {handle.rank} is not a ray-ple pair "
+                             f"(magic {magic:#x})")
+    if (version, n_layers, max_tokens) != (handle.layout_version, len(handle.slots),
+                                           handle.control.max_tokens):
+        raise PleHandleError(f"segment header (v{version}, {n_layers} layers, {max_tokens} tokens) "
+                             f"differs from the handle of rank {handle.rank}")
+    if token != handle.segment.token:
+        raise PleHandleError(f"segment token of rank {handle.rank} differs from the handle")
+    if fingerprint != handle.table_fingerprint:
+        raise PleHandleError(f"table fingerprint of rank {handle.rank} differs from the handle")

@@ -1,0 +1,201 @@
+"""Byte layout of one pair segment, and typed views over it.
+
+    page 0   header: magic, layout version, layer count, max_tokens, token, fingerprint;
+             then one 64-byte cache line each for state+reason, the two heartbeats,
+             `posted`, `released`; then per layer a 128-byte block: `flag` (u32, its own
+             line) and `published` (u64, its own line)
+    page 1+  input slot: token count T (u32), then `max_tokens` int32 token ids
+    then     per layer, page aligned: output slot of exactly max_tokens x row_bytes
+
+The layout is a pure function of (version, max_tokens, row_bytes per layer), so a worker
+recomputes it and rejects any handle whose offsets differ.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple.protocol.shm import PAGE, SharedSegment, page_align
+
+LAYOUT_VERSION = 1
+MAGIC = 0x31454C505941522E  # ".RAYPLE1"
+_HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_layers, max_tokens, token, fingerprint
+STATE_OFF, HB_WORKER_OFF, HB_OFFLOAD_OFF, POSTED_OFF, RELEASED_OFF = 128, 192, 256, 320, 384
+WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF = 448, 512, 576
+LAYERS_OFF, LAYER_STRIDE = 1024, 128
+MAX_LAYERS = (PAGE - LAYERS_OFF) // LAYER_STRIDE
+
+
+class State(enum.IntEnum):
+    INIT = 0
+    READY = 1
+    FAILED = 2
+    CLOSED = 3
+
+
+class PairLayout(BaseModel):
+    """Offsets of every field of one pair segment."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: int
+    max_tokens: int
+    row_bytes: tuple[int, ...]
+    count_offset: int
+    ids_offset: int
+    flag_offsets: tuple[int, ...]
+    published_offsets: tuple[int, ...]
+    slot_offsets: tuple[int, ...]
+    size: int
+
+    @classmethod
+    def compute(cls, max_tokens: int, row_bytes: tuple[int, ...],
+                version: int = LAYOUT_VERSION) -> PairLayout:
+        if not 0 < len(row_bytes) <= MAX_LAYERS:
+            raise ValueError(f"{len(row_bytes)} layers; a pair holds 1..{MAX_LAYERS}")
+        count_off = PAGE
+        ids_off = PAGE + 64
+        cursor = page_align(ids_off + 4 * max_tokens)
+        slots = []
+        for rb in row_bytes:
+            slots.append(cursor)
+            cursor = page_align(cursor + max_tokens * rb)
+        return cls(
+            version=version, max_tokens=max_tokens, row_bytes=tuple(row_bytes),
+            count_offset=count_off, ids_offset=ids_off,
+            flag_offsets=tuple(LAYERS_OFF + i * LAYER_STRIDE for i in range(len(row_bytes))),
+            published_offsets=tuple(LAYERS_OFF + i * LAYER_STRIDE + 64
+                                    for i in range(len(row_bytes))),
+            slot_offsets=tuple(slots), size=cursor,
+        )
+
+
+def _u64(buf, off: int) -> np.ndarray:
+    return np.ndarray((1,), np.uint64, buf, off)
+
+
+def _u32(buf, off: int, n: int = 1) -> np.ndarray:
+    return np.ndarray((n,), np.uint32, buf, off)
+
+
+class ControlBlock:
+    """Typed views of a mapped pair segment. Rules live in `ray_ple.protocol.transaction`."""
+
+    def __init__(self, seg: SharedSegment | None, layout: PairLayout,
+                 words: bytearray | None = None) -> None:
+        buf = seg.map if seg is not None else words
+        self.segment, self.layout = seg, layout
+        self._state = _u32(buf, STATE_OFF, 2)
+        self._hb_worker = _u64(buf, HB_WORKER_OFF)
+        self._hb_offload = _u64(buf, HB_OFFLOAD_OFF)
+        self._posted = _u64(buf, POSTED_OFF)
+        self._released = _u64(buf, RELEASED_OFF)
+        self._worker_pid = _u64(buf, WORKER_PID_OFF)
+        self._post_ns = _u64(buf, POST_NS_OFF)
+        self._publish_ns = _u64(buf, PUBLISH_NS_OFF)
+        self.flags = [_u32(buf, off) for off in layout.flag_offsets]
+        self._published = [_u64(buf, off) for off in layout.published_offsets]
+        if seg is None:
+            return  # a snapshot of the words page: no input or output slots
+        self._count = _u32(buf, layout.count_offset)
+        self.ids = np.ndarray((layout.max_tokens,), np.int32, buf, layout.ids_offset)
+        self.slots = [np.ndarray((layout.max_tokens, rb), np.uint8, buf, off)
+                      for rb, off in zip(layout.row_bytes, layout.slot_offsets)]
+
+    @classmethod
+    def snapshot(cls, fd: int, layout: PairLayout) -> ControlBlock | None:
+        """The words page read with pread, never mapped: a watcher cannot fault on a segment
+        that was taken away. None when the segment is shorter than its layout."""
+        if os.fstat(fd).st_size < layout.size:
+            return None
+        words = bytearray(os.pread(fd, PAGE, 0))
+        return cls(None, layout, words) if len(words) == PAGE else None
+
+    @staticmethod
+    def write_state(fd: int, state: State, reason: int) -> None:
+        """Set state and reason through the fd (the watcher's only write)."""
+        os.pwrite(fd, struct.pack("<II", int(state), reason), STATE_OFF)
+
+    # header -------------------------------------------------------------------------
+    def write_header(self, token: str, fingerprint: str) -> None:
+        self.segment.map[: _HDR.size] = _HDR.pack(
+            MAGIC, self.layout.version, len(self.layout.row_bytes), self.layout.max_tokens,
+            bytes.fromhex(token), bytes.fromhex(fingerprint))
+
+    def read_header(self) -> tuple[int, int, int, int, str, str]:
+        magic, ver, n, max_tokens, token, fp = _HDR.unpack_from(self.segment.map, 0)
+        return magic, ver, n, max_tokens, token.hex(), fp.hex()
+
+    # words ----------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return State(int(self._state[0]))
+
+    @property
+    def reason(self) -> int:
+        return int(self._state[1])
+
+    def set_state(self, state: State, reason: int = 0) -> None:
+        self._state[1] = reason
+        self._state[0] = int(state)
+
+    @property
+    def posted(self) -> int:
+        return int(self._posted[0])
+
+    @posted.setter
+    def posted(self, v: int) -> None:
+        self._posted[0] = v
+
+    @property
+    def released(self) -> int:
+        return int(self._released[0])
+
+    @released.setter
+    def released(self, v: int) -> None:
+        self._released[0] = v
+
+    def published(self, layer: int) -> int:
+        return int(self._published[layer][0])
+
+    def set_published(self, layer: int, v: int) -> None:
+        self._published[layer][0] = v
+
+    @property
+    def token_count(self) -> int:
+        return int(self._count[0])
+
+    @token_count.setter
+    def token_count(self, v: int) -> None:
+        self._count[0] = v
+
+    def beat(self, side: str, now_ns: int) -> None:
+        (self._hb_worker if side == "worker" else self._hb_offload)[0] = now_ns
+
+    def heartbeat(self, side: str) -> int:
+        return int((self._hb_worker if side == "worker" else self._hb_offload)[0])
+
+    @property
+    def worker_pid(self) -> int:
+        return int(self._worker_pid[0])
+
+    @worker_pid.setter
+    def worker_pid(self, v: int) -> None:
+        self._worker_pid[0] = v
+
+    def stamp(self, side: str, now_ns: int) -> None:
+        """Monotonic time of the last post (worker) or publish (offload)."""
+        (self._post_ns if side == "worker" else self._publish_ns)[0] = now_ns
+
+    def stamps(self) -> tuple[int, int]:
+        return int(self._post_ns[0]), int(self._publish_ns[0])
+
+    def counters(self) -> tuple[int, tuple[int, ...], int]:
+        """(posted, published per layer, released), read released first (it moves last)."""
+        released = self.released
+        published = tuple(self.published(i) for i in range(len(self.flags)))
+        return self.posted, published, released

@@ -1,0 +1,71 @@
+"""`ray-ple`: operator commands.
+
+    ray-ple doctor [...]          can this pod hold what ray-ple will ask of it (k8s init step)
+    ray-ple render-k8s [--check]  write (or compare) k8s/*.yaml from serve_configs/
+
+Each subcommand imports its module only when run: `doctor` must stay light and CUDA-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ray_ple.tools.quantity import parse_bytes
+
+
+def _doctor(ns: argparse.Namespace) -> int:
+    from ray_ple.tools.doctor import DoctorArgs, main
+
+    return main(DoctorArgs(
+        transport=ns.transport, table_bytes=ns.table_bytes, pair_bytes=ns.pair_bytes,
+        workers=ns.workers, object_store_bytes=ns.object_store_bytes,
+        shm_headroom_bytes=ns.shm_headroom_bytes, shm_dir=ns.shm_dir,
+        checkpoint=ns.checkpoint, dtype=ns.dtype))
+
+
+def _render_k8s(ns: argparse.Namespace) -> int:
+    from ray_ple.tools.k8s.render import write_or_check
+
+    stale = write_or_check(Path(ns.root), check=ns.check)
+    for path in stale:
+        print(f"{'differs' if ns.check else 'wrote'}: {path}")
+    if ns.check and stale:
+        print("run `ray-ple render-k8s` and commit the result", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ray-ple", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("doctor", help="preflight checks, one line each; exit 1 on FAIL")
+    d.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda where a GPU is visible")
+    for flag, what in (("--table-bytes", "the node table's segment"),
+                       ("--pair-bytes", "one worker's pair segment"),
+                       ("--object-store-bytes", "Ray's object store in /dev/shm"),
+                       ("--shm-headroom-bytes", "/dev/shm for vLLM, torch, NCCL")):
+        d.add_argument(flag, type=parse_bytes, default=0, help=f"{what} (bytes or 5Gi)")
+    d.add_argument("--workers", type=int, default=1, help="engine workers in this pod")
+    d.add_argument("--shm-dir", default="/dev/shm")
+    d.add_argument("--checkpoint", help="check its table against --table-bytes")
+    d.add_argument("--dtype", help="engine dtype, for --checkpoint")
+    d.set_defaults(run=_doctor)
+
+    r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/spec/clusters.yaml + serve_configs/")
+    r.add_argument("--root", default=".", help="project root (default: here)")
+    r.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
+    r.set_defaults(run=_render_k8s)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    return ns.run(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

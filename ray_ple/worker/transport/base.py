@@ -1,0 +1,55 @@
+"""The transport interface: how the consumer of DESIGN section 4 (steps 3 and 4) moves rows.
+
+The transaction rules (what may be posted, published, released, and when) stay in
+`ray_ple.protocol.transaction`; a transport only waits on a layer's flag, copies its rows and performs
+the release, in the consumer's order (the engine thread on CPU, the model stream on CUDA).
+A second CUDA transport (UVA zero-copy from the node table) would implement this same class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, ClassVar, NoReturn
+
+from ray_ple.protocol.fatal import Reason, fail_closed
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_ple.protocol.transaction import WorkerEnd
+
+
+class Transport(ABC):
+    """Consumer side of one pair (one worker), for every offloaded layer of it."""
+
+    name: ClassVar[str]
+
+    def __init__(self, worker: WorkerEnd, dtype: str) -> None:
+        self.worker, self.block, self.deadlines = worker, worker.block, worker.deadlines
+        self.dtype = dtype
+
+    def _fail(self, reason: Reason, layer: int, detail: str) -> NoReturn:
+        fail_closed("consumer", reason, block=self.block, rank=self.worker.rank,
+                    seq=self.worker.step, layer=self.worker.layer_names[layer], detail=detail)
+
+    @abstractmethod
+    def pull(self, layer: int, out: torch.Tensor) -> None:
+        """Wait until `layer`'s rows of the step in flight are published; copy them into `out`."""
+
+    @abstractmethod
+    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+        """A dummy/profile/capture forward: rows come from here, counters do not move."""
+
+    @abstractmethod
+    def release(self, step: int) -> None:
+        """Reset every layer's flag, then advance `released` to `step`, in consumer order."""
+
+    @contextmanager
+    def local_forward(self) -> Iterator[None]:
+        """Bracket a forward whose pulls are satisfied locally (flags raised and reset here)."""
+        yield
+
+    def close(self) -> None:  # noqa: B027 - an optional hook: a no-op by default
+        """Drop what this process registered; the memory stays valid until unmapped."""

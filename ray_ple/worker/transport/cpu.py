@@ -1,0 +1,66 @@
+"""CPU transport: the engine thread waits on the flag (bounded spin, then sleep) and copies."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ray_ple.testing import timing
+from ray_ple.protocol.fatal import Reason
+from ray_ple.protocol.layout import State
+from ray_ple.protocol.transaction import wait_word
+from ray_ple.worker.transport.base import Transport
+
+if TYPE_CHECKING:
+    from ray_ple.protocol.layout import ControlBlock
+    from ray_ple.protocol.transaction import WorkerEnd
+
+
+def slot_tensor(block: ControlBlock, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-copy torch view of one output slot, `max_tokens x row_elems`."""
+    layout = block.layout
+    nbytes = layout.max_tokens * layout.row_bytes[layer]
+    raw = torch.frombuffer(block.segment.map, dtype=torch.uint8, count=nbytes,
+                           offset=layout.slot_offsets[layer])
+    return raw.view(dtype).view(layout.max_tokens, -1)
+
+
+class CpuTransport(Transport):
+    name = "cpu"
+
+    def __init__(self, worker: WorkerEnd, dtype: str) -> None:
+        super().__init__(worker, dtype)
+        tdtype = getattr(torch, dtype)
+        self._slots = [slot_tensor(self.block, i, tdtype) for i in range(len(self.block.flags))]
+
+    def pull(self, layer: int, out: torch.Tensor) -> None:
+        b, w = self.block, self.worker
+        flag = b.flags[layer]
+        t_enter = time.monotonic_ns() if timing.ENABLED else 0
+        if not wait_word(lambda: int(flag[0]), 1, self.deadlines.step_s,
+                         abort=lambda: b.state is not State.READY):
+            if b.state is not State.READY:
+                self._fail(Reason.PEER_FAILED, layer, f"pair went {b.state.name} mid-step")
+            self._fail(Reason.CONSUME_WAIT, layer,
+                       f"rows not published in {self.deadlines.step_s}s")
+        t_seen = time.monotonic_ns() if timing.ENABLED else 0
+        if b.published(layer) != w.step:
+            self._fail(Reason.INVARIANT, layer,
+                       f"flag up but published={b.published(layer)} for step {w.step}")
+        t = out.shape[0]
+        if t != b.token_count:
+            self._fail(Reason.GEOMETRY, layer,
+                       f"forward pulls {t} rows, step posted {b.token_count}")
+        out.copy_(self._slots[layer][:t])
+        if timing.ENABLED:
+            timing.record("pull", t, t_enter, t_seen, time.monotonic_ns())
+
+    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+        out.zero_()
+
+    def release(self, step: int) -> None:
+        for flag in self.block.flags:
+            flag[0] = 0
+        self.block.released = step

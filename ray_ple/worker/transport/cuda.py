@@ -1,0 +1,329 @@
+"""CUDA transport: the consumer of DESIGN section 4 (steps 3 and 4) on the model stream.
+
+Setup (once per process, in the worker): the pair segment is page-locked and device-mapped
+(`cuMemHostRegister(PORTABLE | DEVICEMAP)`, kept for the life of the process), the device is
+checked for mapped host memory and stream memory operations, and the two kernels are loaded.
+
+Per forward, all in stream order on the current torch stream, all capturable::
+
+    pull(layer, out)   cuStreamWaitValue32(flag[layer] == 1)
+                       copy T x row_bytes slot -> out   (SM kernel with ld.cv for small
+                                                         steps, cuMemcpyHtoDAsync above)
+    release(step)      ple_release: flag[*] = 0, system fence, released += 1
+
+`released` is advanced by the stream itself, so a GPU stuck in a wait leaves it behind and
+the offload actor's step deadline ends the replica. Because it is an increment, a graph that
+captured the release stays right on every replay.
+
+Local forwards (dummy, profile, capture) never touch the offload actor. Eager ones get zero
+rows and move no word (a flag set and reset by a forward nobody posted could race the next
+real step's publish). A capture records the real wait and copy into the graph, and the
+geometry it captured (rows and bytes per layer, whether the release is in the graph) is kept
+as a `CaptureRecord`; each replayed step is checked against it on the host before the step
+is released.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ray_ple.errors import PleConfigError, PleEnvironmentError
+from ray_ple.protocol.fatal import Reason
+from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF
+from ray_ple.log import log_event
+from ray_ple.worker.transport.base import Transport
+from ray_ple.worker.transport.cuda_host import (
+    Registration,
+    check,
+    device_caps,
+    driver,
+    ensure_context,
+    register_host,
+)
+from ray_ple.worker.transport.cuda_kernels import Kernels
+
+if TYPE_CHECKING:
+    from ray_ple.protocol.transaction import WorkerEnd
+
+COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
+
+
+class CudaOptions(BaseModel):
+    """How rows are copied; read from the worker's environment (not part of any graph key)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    copy_mode: Literal["auto", "dma", "sm"] = "auto"
+    sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
+
+    @classmethod
+    def from_env(cls) -> CudaOptions:
+        raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV)}
+        return cls.model_validate({k: v for k, v in raw.items() if v is not None})
+
+
+class LayerCopy(BaseModel):
+    """One pull as a graph captured it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    layer: int
+    rows: int
+    nbytes: int
+    mode: Literal["dma", "sm"]
+
+
+class CaptureRecord(BaseModel):
+    """What one captured forward will do on every replay."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rows: int
+    copies: tuple[LayerCopy, ...]
+    release: bool
+
+    def layers(self) -> set[int]:
+        return {c.layer for c in self.copies}
+
+
+_KERNELS: dict[int, Kernels] = {}
+_KLOCK = threading.Lock()
+
+
+def kernels_for(device: int) -> Kernels:
+    """This process's kernels for `device` (compiled and loaded once)."""
+    with _KLOCK:
+        if device not in _KERNELS:
+            _KERNELS[device] = Kernels.load(device)
+        return _KERNELS[device]
+
+
+class CudaTransport(Transport):
+    name = "cuda"
+
+    def __init__(self, worker: WorkerEnd, dtype: str) -> None:
+        super().__init__(worker, dtype)
+        if not torch.cuda.is_available():
+            raise PleEnvironmentError("transport 'cuda' needs a CUDA device; torch sees none "
+                                      "(use transport 'cpu')")
+        self.options = CudaOptions.from_env()
+        self.device = torch.cuda.current_device()
+        torch.cuda.init()
+        ensure_context(self.device)
+        self.caps = device_caps(self.device)
+        self.caps.require()
+        self._local = threading.local()
+        self._local.ready = True
+        self.kernels = kernels_for(self.device)
+        layout, seg = self.block.layout, self.block.segment
+        keep = np.frombuffer(seg.map, dtype=np.uint8)  # a buffer export pins the mapping
+        host = int(keep.ctypes.data)
+        self.registration: Registration = register_host(
+            host, seg.size, keep, what=f"ray-ple pair segment of rank {worker.rank}")
+        base = self.registration.device_ptr
+        self._base_dev = base
+        self._flag_dev = [base + off for off in layout.flag_offsets]
+        self._slot_host = [host + off for off in layout.slot_offsets]
+        self._slot_dev = [base + off for off in layout.slot_offsets]
+        self._row_bytes = layout.row_bytes
+        self._flag0, self._nflags = layout.flag_offsets[0], len(layout.flag_offsets)
+        self._probe()
+        # per-step bookkeeping (host side, checked before every release)
+        self._pulled: list[int] = [-1] * self._nflags
+        self._capture: list[LayerCopy] | None = None
+        self._capture_release = False
+        self.captures: dict[int, list[CaptureRecord]] = {}
+        self.last_capture: CaptureRecord | None = None
+        self._replayed: dict[int, CaptureRecord] = {}
+        log_event("cuda_transport_ready", rank=worker.rank, device=self.device,
+                  gpu=self.caps.name, driver=self.caps.driver_version,
+                  segment_bytes=seg.size, register_s=round(self.registration.seconds, 4),
+                  device_ptr_equals_host=base == host, copy=self.options.copy_mode,
+                  sm_max_bytes=self.options.sm_max_bytes)
+
+    # setup ------------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """Run wait/write memops and both kernels once on private pinned memory."""
+        d = driver()
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        scratch = np.frombuffer(page, dtype=np.int32)
+        sdev = register_host(int(scratch.ctypes.data), mmap.PAGESIZE, scratch,
+                             what="ray-ple probe page").device_ptr
+        dev_buf = torch.empty(16, dtype=torch.int32, device=f"cuda:{self.device}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        try:
+            check(d.cuStreamWriteValue32(stream, sdev, 7, 0), "cuStreamWriteValue32")
+            check(d.cuStreamWaitValue32(stream, sdev, 7,
+                                        d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
+                  "cuStreamWaitValue32")
+            scratch[2] = 41
+            self.kernels.launch_release(sdev, 1, 0, 4, 8, stream)
+            self.kernels.launch_copy(sdev, dev_buf.data_ptr(), 32, stream)
+            check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(probe)")
+        except PleEnvironmentError as exc:
+            raise PleEnvironmentError(
+                f"GPU {self.device} ({self.caps.name}) refused a stream memory operation or "
+                f"kernel on mapped host memory: {exc}") from exc
+        got = scratch.tolist()
+        if got[0] != 0 or got[2] != 42 or dev_buf[2].item() != 42:
+            raise PleEnvironmentError(f"mapped host memory probe read back {got}: writes of "
+                                      "the GPU are not visible to the host on this system")
+
+    def _stream(self) -> int:
+        if not getattr(self._local, "ready", False):
+            ensure_context(self.device)
+            self._local.ready = True
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _mode(self, nbytes: int, dst: int) -> Literal["dma", "sm"]:
+        o = self.options
+        aligned = nbytes % 16 == 0 and dst % 16 == 0
+        if o.copy_mode == "sm" and aligned:
+            return "sm"
+        if o.copy_mode == "auto" and aligned and nbytes <= o.sm_max_bytes:
+            return "sm"
+        return "dma"
+
+    def _enqueue(self, layer: int, out: torch.Tensor, nbytes: int,
+                 stream: int) -> Literal["dma", "sm"]:
+        d = driver()
+        check(d.cuStreamWaitValue32(stream, self._flag_dev[layer], 1,
+                                    d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
+              "cuStreamWaitValue32(flag == 1)")
+        dst = out.data_ptr()
+        mode = self._mode(nbytes, dst)
+        if nbytes:
+            if mode == "sm":
+                self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream)
+            else:
+                check(d.cuMemcpyHtoDAsync(dst, self._slot_host[layer], nbytes, stream),
+                      "cuMemcpyHtoDAsync(slot)")
+        return mode
+
+    def _geometry(self, layer: int, out: torch.Tensor) -> int:
+        """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
+        rows = out.shape[0] if out.dim() else -1
+        nbytes = out.numel() * out.element_size()
+        if (out.device.type != "cuda" or not out.is_contiguous()
+                or not 0 <= rows <= self.block.layout.max_tokens
+                or nbytes != rows * self._row_bytes[layer]):
+            self._fail(Reason.GEOMETRY, layer,
+                       f"pull into {tuple(out.shape)} {out.dtype} on {out.device} (contiguous="
+                       f"{out.is_contiguous()}): not whole rows of {self._row_bytes[layer]} B "
+                       f"within {self.block.layout.max_tokens} tokens")
+        return nbytes
+
+    # the transaction ----------------------------------------------------------------------
+    def pull(self, layer: int, out: torch.Tensor) -> None:
+        w = self.worker
+        if torch.cuda.is_current_stream_capturing():
+            self._fail(Reason.STATE, layer, f"step {w.step} is being captured into a graph; "
+                       "captures must run as local forwards")
+        nbytes = self._geometry(layer, out)
+        t = out.shape[0]
+        if t != self.block.token_count:
+            self._fail(Reason.GEOMETRY, layer,
+                       f"forward pulls {t} rows, step {w.step} posted {self.block.token_count}")
+        rec = self._replayed.get(w.step)
+        if self._pulled[layer] == w.step or (rec is not None and layer in rec.layers()):
+            self._fail(Reason.INVARIANT, layer, f"rows of step {w.step} pulled twice")
+        self._enqueue(layer, out, nbytes, self._stream())
+        self._pulled[layer] = w.step
+
+    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+        if not torch.cuda.is_current_stream_capturing():
+            out.zero_()
+            return
+        if self._capture is None:
+            self._fail(Reason.STATE, layer, "capture outside a local forward")
+        nbytes = self._geometry(layer, out)
+        if any(c.layer == layer for c in self._capture):
+            self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
+        mode = self._enqueue(layer, out, nbytes, self._stream())
+        self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode))
+
+    def capture_release(self) -> None:
+        """Put the release into the graph being captured (a whole-step graph)."""
+        if self._capture is None or not torch.cuda.is_current_stream_capturing():
+            raise PleConfigError("capture_release() belongs inside a local forward that is "
+                                 "being captured")
+        self._launch_release(self._stream())
+        self._capture_release = True
+
+    def _launch_release(self, stream: int) -> None:
+        self.kernels.launch_release(self._base_dev, self._nflags, self._flag0, LAYER_STRIDE,
+                                    RELEASED_OFF, stream)
+
+    @contextmanager
+    def local_forward(self) -> Iterator[None]:
+        if self._capture is not None:
+            raise PleConfigError("local forwards do not nest")
+        self._capture, self._capture_release = [], False
+        try:
+            yield
+        finally:
+            copies, self._capture = self._capture, None
+            if copies or self._capture_release:
+                self._store_capture(copies, self._capture_release)
+
+    def _store_capture(self, copies: list[LayerCopy], release: bool) -> None:
+        rows = {c.rows for c in copies}
+        layers = sorted(c.layer for c in copies)
+        if len(rows) != 1 or layers != list(range(self._nflags)):
+            self._fail(Reason.GEOMETRY, copies[0].layer if copies else 0,
+                       f"captured forward copies rows {sorted(rows)} for layers {layers}; "
+                       f"every one of the {self._nflags} layers must copy the same token count")
+        rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies), release=release)
+        self.captures.setdefault(rec.rows, []).append(rec)
+        self.last_capture = rec
+        log_event("cuda_graph_captured", rank=self.worker.rank, rows=rec.rows,
+                  bytes=sum(c.nbytes for c in copies), modes=sorted({c.mode for c in copies}),
+                  release_in_graph=release)
+
+    def replayed(self, record: CaptureRecord) -> None:
+        """Declare that the graph of `record` serves the step in flight (call before replay)."""
+        w = self.worker
+        if not w.in_flight:
+            self._fail(Reason.NO_TRANSACTION, 0, "graph replayed outside a posted step")
+        if record.rows != self.block.token_count:
+            self._fail(Reason.GEOMETRY, record.copies[0].layer if record.copies else 0,
+                       f"graph copies {record.rows} rows per layer, step {w.step} posted "
+                       f"{self.block.token_count}")
+        if w.step in self._replayed or any(p == w.step for p in self._pulled):
+            self._fail(Reason.INVARIANT, 0, f"rows of step {w.step} consumed twice")
+        self._replayed = {w.step: record}
+
+    def release(self, step: int) -> None:
+        rec = self._replayed.pop(step, None)
+        self._check_consumed(step, rec)
+        if rec is None or not rec.release:
+            self._launch_release(self._stream())
+
+    def _check_consumed(self, step: int, rec: CaptureRecord | None) -> None:
+        """Every layer's rows of `step` went to exactly one consumer of the right size."""
+        eager = [i for i, p in enumerate(self._pulled) if p == step]
+        if rec is None and not eager:
+            # a graph replayed by an engine that does not declare it (vLLM): the capture of
+            # this token count must exist and copy exactly these rows for every layer
+            t = self.block.token_count
+            known = [r for r in self.captures.get(t, []) if not r.release]
+            if not known:
+                self._fail(Reason.GEOMETRY, 0,
+                           f"step {step} ({t} tokens) was consumed by no pull and no graph "
+                           f"captured for {t} tokens (captured: {sorted(self.captures)})")
+            return
+        graph = [c.layer for c in rec.copies] if rec is not None else []
+        if sorted(eager + graph) != list(range(self._nflags)):
+            self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled eagerly {eager}, by "
+                       f"graph {graph}; each of {self._nflags} must be consumed once")
+
+    def close(self) -> None:
+        """Registrations stay for the process (graphs hold the addresses)."""
+        log_event("cuda_transport_closed", rank=self.worker.rank,
+                  registered_bytes=self.registration.size)

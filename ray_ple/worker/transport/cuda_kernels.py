@@ -1,0 +1,178 @@
+"""The two device kernels of the CUDA transport, compiled once per process with NVRTC.
+
+- `ple_copy_rows`: copies the step's rows from the device-mapped slot with SM loads. Loads use
+  `ld.global.cv` ("consider cached system-memory lines stale, fetch again"), so a line of the
+  slot that an earlier step left in L2 can never be served for a later step. For small steps
+  it replaces a copy-engine node, whose fixed latency is several microseconds.
+- `ple_release`: one thread resets every layer's flag, fences at system scope, then advances
+  `released` by one (read-modify-write of the host word). Being an increment, not a stored
+  constant, it stays correct when captured once in a CUDA graph and replayed every step.
+
+Both take raw device pointers as launch parameters; they are launched only by
+`CudaTransport`, which resolves those pointers in this process (never a compile cache).
+NVRTC ships with every CUDA build of torch; a missing NVRTC is one `PleEnvironmentError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from ray_ple.errors import PleEnvironmentError
+from ray_ple.worker.transport.cuda_host import check, driver
+
+SOURCE = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+__device__ __forceinline__ uint4 load_cv(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+extern "C" __global__ void ple_copy_rows(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                         u64 n16) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        uint4 a = load_cv(src + i);
+        uint4 b = load_cv(src + i + stride);
+        uint4 c = load_cv(src + i + 2 * stride);
+        uint4 d = load_cv(src + i + 3 * stride);
+        dst[i] = a;
+        dst[i + stride] = b;
+        dst[i + 2 * stride] = c;
+        dst[i + 3 * stride] = d;
+    }
+    for (; i < n16; i += stride) {
+        dst[i] = load_cv(src + i);
+    }
+}
+
+extern "C" __global__ void ple_release(unsigned char* base, u32 n_flags, u32 flag0_off,
+                                       u32 flag_stride, u32 released_off) {
+    for (u32 i = 0; i < n_flags; ++i) {
+        *(volatile u32*)(base + flag0_off + i * flag_stride) = 0u;
+    }
+    __threadfence_system();
+    u64 r;
+    asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(r) : "l"(base + released_off) : "memory");
+    *(volatile u64*)(base + released_off) = r + 1ull;
+}
+
+extern "C" __global__ void ple_gather_rows(const uint4* __restrict__ table,
+                                           const int* __restrict__ ids, uint4* __restrict__ out,
+                                           u32 n_ids, u32 row16, u32 rows) {
+    const u64 total = (u64)n_ids * row16;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const u32 t = (u32)(i / row16);
+        const u32 c = (u32)(i - (u64)t * row16);
+        int id = ids[t];
+        if (id < 0 || (u32)id >= rows) id = 0;
+        out[i] = table[(u64)id * row16 + c];
+    }
+}
+"""
+
+THREADS = 256
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - cuda-python is a dependency
+        raise PleEnvironmentError(f"cuda-python (cuda.bindings.nvrtc) is missing: {exc}") from exc
+    return nvrtc
+
+
+def compile_cubin(arch: str) -> bytes:
+    """Compile SOURCE for `arch` (e.g. "sm_90") to a cubin; raise with the NVRTC log."""
+    nvrtc = _nvrtc()
+    try:
+        err, prog = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"ray_ple_cuda.cu", 0, [], [])
+    except Exception as exc:
+        raise PleEnvironmentError(
+            f"NVRTC is not usable in this process ({exc}); the CUDA transport compiles its two "
+            "small kernels with it (install the nvidia-cuda-nvrtc wheel torch depends on)"
+        ) from exc
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise PleEnvironmentError(f"nvrtcCreateProgram failed: {err}")
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise PleEnvironmentError(f"NVRTC could not compile the ray-ple kernels for {arch}: "
+                                  f"{log.decode(errors='replace').strip()}")
+    _, size = nvrtc.nvrtcGetCUBINSize(prog)
+    cubin = b" " * size
+    (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+    nvrtc.nvrtcDestroyProgram(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise PleEnvironmentError(f"nvrtcGetCUBIN failed for {arch}: {err}")
+    return cubin
+
+
+class _Params:
+    """A reusable `void**` array of ctypes values for cuLaunchKernel (no per-call packing)."""
+
+    def __init__(self, *values: ctypes._SimpleCData) -> None:
+        self.values = values
+        self.array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self.address = ctypes.addressof(self.array)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded module of this process (one per context; kept for the process life)."""
+
+    module: object
+    copy_rows: object
+    release: object
+    gather_rows: object
+    sm_count: int
+
+    @classmethod
+    def load(cls, device: int) -> Kernels:
+        d = driver()
+        major = check(d.cuDeviceGetAttribute(
+            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cc")
+        minor = check(d.cuDeviceGetAttribute(
+            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cc")
+        sms = check(d.cuDeviceGetAttribute(
+            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device), "sm count")
+        cubin = compile_cubin(f"sm_{major}{minor}")
+        module = check(d.cuModuleLoadData(cubin), "cuModuleLoadData(ray-ple kernels)")
+        fn = {name: check(d.cuModuleGetFunction(module, name.encode()), f"get {name}")
+              for name in ("ple_copy_rows", "ple_release", "ple_gather_rows")}
+        return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_gather_rows"], sms)
+
+    def launch_copy(self, src: int, dst: int, nbytes: int, stream: int) -> None:
+        """Enqueue the SM copy of `nbytes` (a multiple of 16, both ends 16-byte aligned)."""
+        n16 = nbytes // 16
+        blocks = max(1, min((n16 + THREADS - 1) // THREADS, self.sm_count * 8))
+        p = _Params(ctypes.c_uint64(src), ctypes.c_uint64(dst), ctypes.c_uint64(n16))
+        check(driver().cuLaunchKernel(self.copy_rows, blocks, 1, 1, THREADS, 1, 1, 0, stream,
+                                      p.address, 0), "cuLaunchKernel(ple_copy_rows)")
+
+    def launch_release(self, base: int, n_flags: int, flag0_off: int, flag_stride: int,
+                       released_off: int, stream: int) -> None:
+        p = _Params(ctypes.c_uint64(base), ctypes.c_uint32(n_flags), ctypes.c_uint32(flag0_off),
+                    ctypes.c_uint32(flag_stride), ctypes.c_uint32(released_off))
+        check(driver().cuLaunchKernel(self.release, 1, 1, 1, 1, 1, 1, 0, stream, p.address, 0),
+              "cuLaunchKernel(ple_release)")
+
+    def launch_gather(self, table: int, ids: int, out: int, n_ids: int, row_bytes: int,
+                      rows: int, stream: int) -> None:
+        """UVA zero-copy gather straight from a registered host table (variant B)."""
+        row16 = row_bytes // 16
+        total = n_ids * row16
+        blocks = max(1, min((total + THREADS - 1) // THREADS, self.sm_count * 8))
+        p = _Params(ctypes.c_uint64(table), ctypes.c_uint64(ids), ctypes.c_uint64(out),
+                    ctypes.c_uint32(n_ids), ctypes.c_uint32(row16), ctypes.c_uint32(rows))
+        check(driver().cuLaunchKernel(self.gather_rows, blocks, 1, 1, THREADS, 1, 1, 0, stream,
+                                      p.address, 0), "cuLaunchKernel(ple_gather_rows)")

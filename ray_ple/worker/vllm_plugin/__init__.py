@@ -1,0 +1,19 @@
+"""vLLM 0.32 plugin (entry point `vllm.general_plugins`): registers the offload model classes.
+
+Loaded in every vLLM process; registration is lazy (by qualified name) and idempotent, and
+changes nothing unless an engine is configured to use a `RayPle*` architecture.
+"""
+
+from __future__ import annotations
+
+from ray_ple.protocol.geometry import ARCHITECTURES
+
+_MODULES = {"RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.gemma4:RayPleGemma4ForCausalLM"}
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    for arch in {spec.offload_arch for spec in ARCHITECTURES.values()}:
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, _MODULES[arch])

@@ -1,0 +1,39 @@
+"""Attach this vLLM worker process to its pair, after checking the engine can honour it."""
+
+from __future__ import annotations
+
+from vllm.config import VllmConfig
+
+from ray_ple.worker import pair as worker_pair
+from ray_ple.protocol.engine_settings import PleEngineSettings
+from ray_ple.errors import PleConfigError
+
+
+def worker_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def check_engine(vllm_config: VllmConfig, settings: PleEngineSettings) -> None:
+    sched, par = vllm_config.scheduler_config, vllm_config.parallel_config
+    if sched.max_num_batched_tokens > settings.geometry.max_tokens:
+        raise PleConfigError(
+            f"max_num_batched_tokens={sched.max_num_batched_tokens} exceeds the PLE slots "
+            f"({settings.geometry.max_tokens} tokens)")
+    if par.pipeline_parallel_size != 1 or par.data_parallel_size != 1:
+        raise PleConfigError("PLE offload supports tensor parallelism only (pp = dp = 1)")
+    if vllm_config.speculative_config is not None:
+        raise PleConfigError("speculative decoding is not supported with PLE offload")
+    if settings.transport == "cuda" and getattr(sched, "async_scheduling", False):
+        raise PleConfigError("async scheduling must be off with the cuda transport: the "
+                             "worker posts ids from the host copy of the batch")
+
+
+def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worker_pair.WorkerPair:
+    import ray_ple.worker.ops  # noqa: F401 - registers torch.ops.ray_ple.pull in this process
+
+    check_engine(vllm_config, settings)
+    return worker_pair.attach_process(
+        settings.geometry, rank=worker_rank(), transport=settings.transport,
+        deadlines=settings.deadlines, heartbeat_s=settings.heartbeat_interval_s)

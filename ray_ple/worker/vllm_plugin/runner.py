@@ -1,0 +1,68 @@
+"""Worker classes (`ParallelConfig.worker_cls`) whose model runner brackets every forward.
+
+The V1 runner's `_model_forward` ("can be overridden by subclasses") is where a real step is
+posted before the forward and released after it; `_dummy_run` (profile, warm-up, capture)
+is bracketed as a local forward that never reaches the offload actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
+
+from ray_ple.worker import pair as worker_pair
+from ray_ple.errors import PleConfigError
+
+
+class PleRunnerMixin:
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,  # noqa: ANN001
+                       inputs_embeds=None, **model_kwargs: Any) -> Any:
+        pair = worker_pair.current()
+        if pair is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        if input_ids is None:
+            raise PleConfigError("PLE offload needs token ids; prompt embeddings are unsupported")
+        if input_ids.device.type == "cpu":
+            host = input_ids.numpy()
+        else:  # the host copy the runner prepared this batch from (async scheduling is off)
+            host = self.input_ids.cpu[: input_ids.shape[0]].numpy()
+        with pair.step(host):
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+
+    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+        pair = worker_pair.current()
+        if pair is None:
+            return super()._dummy_run(*args, **kwargs)
+        with pair.local_forward():
+            return super()._dummy_run(*args, **kwargs)
+
+
+def _with_ple(runner_cls: type) -> type:
+    return type(f"Ple{runner_cls.__name__}", (PleRunnerMixin, runner_cls), {})
+
+
+class PleCPUWorker(CPUWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        if self.use_v2_model_runner:
+            raise PleConfigError("PLE offload needs vLLM's V1 model runner "
+                                 "(VLLM_USE_V2_MODEL_RUNNER=0)")
+        # CPUWorker builds its runner inline (no factory): give it the bracketing subclass.
+        self.model_runner.__class__ = _with_ple(type(self.model_runner))
+
+
+class PleGPUWorker(Worker):
+    def _make_model_runner(self):  # noqa: ANN202 - vLLM's GPUModelRunner
+        if self.use_v2_model_runner:
+            raise PleConfigError("PLE offload needs vLLM's V1 model runner "
+                                 "(VLLM_USE_V2_MODEL_RUNNER=0)")
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return _with_ple(GPUModelRunner)(self.vllm_config, self.device)
+
+
+WORKER_CLS = {"cpu": f"{__name__}.PleCPUWorker", "cuda": f"{__name__}.PleGPUWorker"}
