@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from ray_ple.base import Frozen
+from ray_ple.errors import PleConfigError
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PleDeadlines(_Strict):
+class PleDeadlines(Frozen):
     """Progress deadlines; missing one ends the replica (DESIGN section 5)."""
 
     startup_s: float = Field(900.0, gt=0, description="table load + engine start + capture")
@@ -20,14 +20,14 @@ class PleDeadlines(_Strict):
     heartbeat_s: float = Field(5.0, gt=0, description="a side whose heartbeat is older is dead")
 
 
-class SupervisorConfig(_Strict):
+class SupervisorConfig(Frozen):
     """How often the supervisor looks; detection latency is bounded by these."""
 
     poll_interval_s: float = Field(0.02, gt=0, le=5)
     heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
 
 
-class PleConfig(_Strict):
+class PleConfig(Frozen):
     """Per-deployment PLE offload settings (the `ple:` block)."""
 
     enabled: bool = True
@@ -55,3 +55,22 @@ class PleConfig(_Strict):
         if not self.shm_dir.startswith("/"):
             raise ValueError(f"ple.shm_dir must be an absolute path, got {self.shm_dir!r}")
         return self
+
+
+def parse_ple(raw: PleConfig | Mapping[str, Any] | None) -> PleConfig:
+    """The `ple:` block, or one `PleConfigError` naming each offending key."""
+    if isinstance(raw, PleConfig):
+        return raw
+    try:
+        return PleConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        raise PleConfigError(validation_message("ple", exc)) from None
+
+
+def validation_message(where: str, exc: ValidationError) -> str:
+    """pydantic's errors as one line per offending key, named as the user wrote it."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in (where, *err["loc"]))
+        lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})"[:300])
+    return "invalid configuration: " + "; ".join(lines)

@@ -7,20 +7,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
-from ray_ple.protocol.geometry import ARCHITECTURES, PleGeometry, geometry_from_config, read_hf_config
-from ray_ple.supervision.offload_group import table_sources
-from ray_ple.offload.table_store import TableSource
+from ray_ple.protocol.engine_settings import PleEngineSettings
+from ray_ple.protocol.geometry import (
+    ARCHITECTURES,
+    PleGeometry,
+    geometry_from_config,
+    read_hf_config,
+)
+from ray_ple.protocol.table_source import TableSource
 
 DEFAULT_MAX_TOKENS = 8192
+# vLLM's `worker_cls` per transport, by name: the plan never imports vLLM's worker modules
+# (tests/test_layout.py checks that each names a class that exists).
+WORKER_CLS = {"cpu": "ray_ple.worker.vllm_plugin.runner.PleCPUWorker",
+              "cuda": "ray_ple.worker.vllm_plugin.runner.PleGPUWorker"}
 
 
-class OffloadPlan(BaseModel):
-    model_config = ConfigDict(frozen=True)
+def table_sources(geometry: PleGeometry, checkpoint_dir: str,
+                  tensor: str | None) -> tuple[TableSource, ...]:
+    """The checkpoint tensor of each offloaded table (the `ple.table_tensor` override first)."""
+    names = (tensor,) if tensor else ARCHITECTURES[geometry.architecture].checkpoint_tensors
+    return tuple(TableSource(checkpoint_dir=checkpoint_dir, tensor_names=names, layer=layer)
+                 for layer in geometry.layers)
+
+
+class OffloadPlan(Frozen):
     checkpoint_dir: str
     geometry: PleGeometry
     settings: PleEngineSettings
@@ -60,8 +74,6 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
                                  deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)
-    from ray_ple.worker.vllm_plugin.runner import WORKER_CLS  # lazy: imports vLLM
-
     if kw.get("worker_cls") not in (None, "auto", WORKER_CLS[transport]):
         raise PleConfigError(f"worker_cls is set by ray-ple ({WORKER_CLS[transport]})")
     kw["worker_cls"] = WORKER_CLS[transport]

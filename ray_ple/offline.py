@@ -12,20 +12,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ray_ple.config import PleConfig
-from ray_ple.supervision.offload_group import PairSet
+from ray_ple.config import PleConfig, parse_ple
 from ray_ple.engine_plan import plan_offload
+from ray_ple.protocol.handles import PAIRS_ENV, EngineHandles
+from ray_ple.supervision.offload_group import OffloadGroup
 from ray_ple.tiny_model import resolve
 
 
 @contextmanager
 def offloaded_llm(model: str, ple: PleConfig | None = None, *, transport: str = "cpu",
                   **engine_kwargs: Any) -> Iterator[Any]:
-    """Yield a `vllm.LLM` whose PLE table is served by offload actors on this node."""
+    """Yield a `vllm.LLM` whose PLE table is served by offload actors on this node.
+
+    `ple` may be a `PleConfig` or its dict (the `ple:` block); a bad one is a `PleConfigError`.
+    """
     import ray
     from vllm import LLM
 
-    ple = ple or PleConfig()
+    ple = parse_ple(ple)
     checkpoint = resolve(model)
     if not ple.enabled:
         llm = LLM(model=checkpoint, **engine_kwargs)
@@ -37,12 +41,12 @@ def offloaded_llm(model: str, ple: PleConfig | None = None, *, transport: str = 
     plan = plan_offload(checkpoint, ple, engine_kwargs, transport)
     if not ray.is_initialized():
         ray.init()
-    pairs = PairSet(ple, plan.geometry, plan.sources, tag=f"offline-{secrets.token_hex(4)}")
-    saved = {k: os.environ.get(k) for k in (*plan.env, "RAY_PLE_PAIRS")}
+    pairs = OffloadGroup(ple, plan.geometry, plan.sources, tag=f"offline-{secrets.token_hex(4)}")
+    saved = {k: os.environ.get(k) for k in (*plan.env, PAIRS_ENV)}
     llm = None
     try:
-        pairs.start(plan.world_size, None, list(range(plan.world_size)))
-        os.environ.update({**plan.env, **pairs.env()})
+        handles = pairs.start(plan.world_size, None, list(range(plan.world_size)))
+        os.environ.update({**plan.env, **EngineHandles(pairs=tuple(handles)).env()})
         llm = LLM(model=checkpoint, **plan.engine_kwargs)
         llm.ray_ple_pairs = pairs  # for callers that inspect or fault the pairs
         yield llm

@@ -25,8 +25,8 @@ def _overwrite_table(pairs: Any, fill: float) -> None:
     """Write into the node's shared table copy (as a second holder would see it)."""
     import numpy as np
 
-    from ray_ple.protocol.shm import PAGE
     from ray_ple.offload.table_store import acquire_table
+    from ray_ple.protocol.shm import PAGE
 
     table = acquire_table(pairs.sources[0], shm_dir="/dev/shm", deadline_s=30)
     view = np.ndarray((table.layer.rows, table.layer.row_bytes), np.uint8, table.segment.map,

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from ray_ple.config import PleConfig
-from ray_ple.protocol.geometry import PleGeometry, geometry_from_config, read_hf_config
+from ray_ple.engine_plan import table_sources
 from ray_ple.offload.actor import OffloadSpec
-from ray_ple.supervision.offload_group import table_sources
+from ray_ple.protocol.geometry import PleGeometry, geometry_from_config, read_hf_config
 
 CTX = mp.get_context("spawn")
 
@@ -51,7 +51,7 @@ def _offload_main(spec: dict, conn) -> None:  # noqa: ANN001
 
     try:
         actor = OffloadActor(spec)
-        conn.send(("ok", actor.setup(), os.getpid()))
+        conn.send(("ok", actor.setup().model_dump(), os.getpid()))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         conn.send(("error", f"{type(exc).__name__}: {exc}", os.getpid()))
         return

@@ -23,10 +23,10 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from ray_ple.testing import faults
 from ray_ple.serve.builder import PleAppArgs, build_app
 from ray_ple.supervision.engine_leftovers import SHM_DIR, in_use, shm_files_of
 from ray_ple.supervision.supervisor import read_verdicts
+from ray_ple.testing import faults
 from tests.faultrig import PROMPTS, Clients, alive, app_args, fired_at, pid_of, supervisor_pids
 from tests.leftovers import ple_shm_entries
 

@@ -181,9 +181,9 @@ def test_cpu_manifest_places_each_offload_actor_beside_its_worker(cpu_app):
     handle = serve.get_deployment_handle(replica.class_name.split(":", 2)[2],
                                          app_name=app["name"])
     pairs = handle.ple_status.remote().result(timeout_s=60)
-    assert [p["state"] for p in pairs] == ["READY"] * demand.world_size
-    assert {p["node_id"] for p in pairs} == {replica.node_id}
-    assert sorted(p["pid"] for p in pairs) == sorted(a.pid for a in offloads)
+    assert [p.state for p in pairs] == ["READY"] * demand.world_size
+    assert {p.node_id for p in pairs} == {replica.node_id}
+    assert sorted(p.pid for p in pairs) == sorted(a.pid for a in offloads)
 
     reply = requests.post(f"http://127.0.0.1:{cpu_app['port']}/v1/completions", timeout=120,
                           json={"model": demand.model_id, "prompt": "w5 w6 w7",

@@ -169,9 +169,9 @@ def engine_main(spec: dict[str, Any]) -> None:
     import ray
     from vllm import SamplingParams
 
-    from ray_ple.testing import timing
     from ray_ple.config import PleConfig
     from ray_ple.offline import offloaded_llm
+    from ray_ple.testing import timing
 
     how = SIDES[spec["side"]]
     if how["offload"]:

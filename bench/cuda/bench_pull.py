@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 import cuda_rig as rig
+from uva_gather import UvaGather
 
 import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
 from ray_ple.protocol.shm import page_align
-from ray_ple.worker.transport.cuda import kernels_for
 from ray_ple.worker.transport.cuda_host import check, driver, register_host
 
 ROW_BYTES = rig.ROW_ELEMS * 2
@@ -68,12 +68,12 @@ class UvaTable(torch.nn.Module):
 
     def __init__(self, table_dev: int, rows: int, device: int) -> None:
         super().__init__()
-        self.table_dev, self.rows, self.kernels = table_dev, rows, kernels_for(device)
+        self.table_dev, self.rows, self.kernels = table_dev, rows, UvaGather(device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty((ids.shape[0], rig.ROW_ELEMS), dtype=torch.bfloat16, device=ids.device)
         ids32 = ids.to(torch.int32)
-        self.kernels.launch_gather(self.table_dev, ids32.data_ptr(), out.data_ptr(),
+        self.kernels.launch(self.table_dev, ids32.data_ptr(), out.data_ptr(),
                                    ids.shape[0], ROW_BYTES, self.rows,
                                    torch.cuda.current_stream().cuda_stream)
         return out

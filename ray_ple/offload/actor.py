@@ -13,29 +13,26 @@ import os
 import sys
 import threading
 import time
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from ray_ple.testing import faults
+from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
-from ray_ple.offload.cuda_guard import cuda_evidence, hide_cuda
-from ray_ple.protocol.doorbell import DoorbellListener
-from ray_ple.protocol.fatal import Reason, fail_closed
-from ray_ple.offload.gather import RowGatherer
-from ray_ple.protocol.geometry import PleGeometry
-from ray_ple.protocol.handles import make_pair_handle
-from ray_ple.protocol.layout import ControlBlock, PairLayout, State
 from ray_ple.log import log_event
+from ray_ple.offload.cuda_guard import cuda_evidence, hide_cuda
+from ray_ple.offload.gather import RowGatherer
+from ray_ple.offload.table_store import NodeTable, acquire_table
+from ray_ple.protocol.doorbell import DoorbellListener
+from ray_ple.protocol.geometry import PleGeometry
+from ray_ple.protocol.handles import PairHandle, make_pair_handle
+from ray_ple.protocol.layout import ControlBlock, PairLayout, Side, State
 from ray_ple.protocol.shm import SharedSegment, sweep_orphans
-from ray_ple.offload.table_store import NodeTable, TableSource, acquire_table
-from ray_ple.protocol.transaction import OffloadEnd
+from ray_ple.protocol.table_source import TableSource
+from ray_ple.protocol.transaction import OffloadEnd, wait_until
+from ray_ple.testing import faults, timing
 
 
-class OffloadSpec(BaseModel):
+class OffloadSpec(Frozen):
     """What one offload actor serves; built by the supervisor, validated on arrival."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     rank: int
     actor_name: str
     geometry: PleGeometry
@@ -43,7 +40,7 @@ class OffloadSpec(BaseModel):
     config: PleConfig
 
 
-class PairStatus(BaseModel):
+class PairStatus(Frozen):
     """A snapshot of one pair as its offload actor sees it (for health and the supervisor)."""
 
     rank: int
@@ -71,11 +68,11 @@ def node_id() -> str:
 
 
 class OffloadActor:
-    """Plain class; `ray.remote(OffloadActor)` makes it the actor (see `ray_ple.supervision.offload_group`)."""
+    """Plain class; `ray.remote(OffloadActor)` makes it the actor (`supervision.offload_group`)."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: OffloadSpec) -> None:
         hide_cuda()
-        self.spec = OffloadSpec.model_validate(spec)
+        self.spec = OffloadSpec.model_validate(spec)  # re-checked on arrival
         self.tables: list[NodeTable] = []
         self.segment: SharedSegment | None = None
         self.block: ControlBlock | None = None
@@ -83,7 +80,7 @@ class OffloadActor:
         self._thread: threading.Thread | None = None
 
     # setup ------------------------------------------------------------------------------
-    def setup(self) -> dict[str, Any]:
+    def setup(self) -> PairHandle:
         """Hold the node tables, create the pair segment, start serving; return the handle."""
         spec, cfg = self.spec, self.spec.config
         if faults.ACTIVE and faults.hit("offload.die_during_setup", spec.rank):
@@ -100,7 +97,7 @@ class OffloadActor:
         self.block.write_header(self.segment.token, fp)
         self.block.set_state(State.INIT)
         self._bell = DoorbellListener(self.segment.token)
-        self._end = OffloadEnd(self.block, spec.rank, cfg.deadlines)
+        self._end = OffloadEnd(self.block, spec.rank, cfg.deadlines, spec.geometry.layer_names)
         self._gather = [RowGatherer(t.rows, layout.max_tokens, cfg.gather_threads)
                         for t in self.tables]
         self._thread = threading.Thread(target=self._serve, name="ray-ple-offload", daemon=True)
@@ -114,53 +111,40 @@ class OffloadActor:
         if faults.ACTIVE and faults.hit("offload.corrupt_handle", spec.rank):
             handle = handle.model_copy(update={"segment": handle.segment.model_copy(
                 update={"token": "0" * 32})})
-        return handle.model_dump()
+        return handle
 
     # serving ----------------------------------------------------------------------------
     def _gather_layer(self, layer: int, ids, out) -> None:  # noqa: ANN001 - numpy views
         self._gather[layer](ids, out)
 
     def _serve(self) -> None:
+        """Serve each posted step once; between steps, watch the worker (transaction rules)."""
         b, end, cfg = self.block, self._end, self.spec.config
-        names = self.spec.geometry.layer_names
         assert b is not None
-        hb_ns = int(cfg.deadlines.heartbeat_s * 1e9)
-        step_ns = int(cfg.deadlines.step_s * 1e9)
         poll = cfg.supervisor.heartbeat_interval_s
-        published_at = 0
         spin_s = cfg.offload_spin_us * 1e-6
+        cut = faults.publish_cut(b, end.rank)
         placed = False
         while not self._stop.is_set():
             now = time.monotonic_ns()
-            b.beat("offload", now)
-            state = b.state
-            if state is State.CLOSED:
+            b.beat(Side.OFFLOAD, now)
+            if b.state is State.CLOSED:
                 return
-            if state is State.READY and not placed:
+            if b.state is State.READY and not placed:
                 placed = True
                 self._keep_off_worker_cores()
-            if state is State.FAILED:
-                fail_closed("offload", Reason.PEER_FAILED, block=b, rank=end.rank, seq=end.last,
-                            detail=f"worker side failed with reason {b.reason}")
-            if state is State.READY and now - b.heartbeat("worker") > hb_ns:
-                fail_closed("offload", Reason.HEARTBEAT, block=b, rank=end.rank, seq=end.last,
-                            detail="worker heartbeat stopped")
+            end.watch(now)
             step = end.next_step()
             if step is not None:
-                end.publish(step, self._gather_layer, names)
-                published_at = time.monotonic_ns()
+                if faults.ACTIVE:
+                    faults.before_gather(end.rank, b, b.ids[:b.token_count], self._gather_layer)
+                end.publish(step, self._gather_layer, cut)
                 continue
-            if b.released < end.last and time.monotonic_ns() - published_at > step_ns:
-                fail_closed("offload", Reason.STEP_DEADLINE, block=b, rank=end.rank,
-                            seq=end.last,
-                            detail=f"step not released within {cfg.deadlines.step_s}s")
-            if spin_s and self._spin(end.last, spin_s):
-                step = end.next_step()  # serve at once: every check above ran just now
-                if step is not None:
-                    end.publish(step, self._gather_layer, names)
-                    published_at = time.monotonic_ns()
-                continue
-            self._bell.wait(poll)
+            if spin_s and wait_until(lambda last=end.last: b.posted != last, spin_s,
+                                     spin_s=spin_s):
+                continue  # a post arrived while spinning: serve it on the next turn
+            if self._bell.wait(poll) and timing.ENABLED:
+                timing.record("wake", time.monotonic_ns())
 
     def _keep_off_worker_cores(self) -> None:
         """Serve from cores the worker is not bound to, where the host has any.
@@ -181,20 +165,11 @@ class OffloadActor:
             log_event("offload_cores", rank=self.spec.rank, cores=sorted(free),
                       worker_cores=sorted(worker))
 
-    def _spin(self, last: int, spin_s: float) -> bool:
-        """Bounded spin until `posted` moves past `last` (True) or the time is up (False)."""
-        b = self.block
-        deadline = time.perf_counter() + spin_s
-        while b.posted == last:
-            if time.perf_counter() >= deadline:
-                return False
-        return True
-
     # queries ----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> PairStatus:
         b = self.block
         posted, published, released = b.counters() if b else (0, (), 0)
-        hb = b.heartbeat("worker") if b else 0
+        hb = b.heartbeat(Side.WORKER) if b else 0
         return PairStatus(
             rank=self.spec.rank, pid=os.getpid(), node_id=node_id(),
             state=b.state.name if b else "NONE", reason=b.reason if b else 0, posted=posted,
@@ -203,7 +178,7 @@ class OffloadActor:
             cuda_evidence=cuda_evidence(), torch_imported="torch" in sys.modules,
             table_fingerprints=[t.fingerprint for t in self.tables],
             table_inodes=[t.segment.inode for t in self.tables],
-        ).model_dump()
+        )
 
     def pid(self) -> int:
         return os.getpid()

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from ray_ple.base import Frozen
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import PleGeometry
@@ -18,8 +17,7 @@ from ray_ple.protocol.geometry import PleGeometry
 KEY = "ray_ple"
 
 
-class PleEngineSettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class PleEngineSettings(Frozen):
     geometry: PleGeometry
     transport: Literal["cpu", "cuda"]
     deadlines: PleDeadlines = PleDeadlines()

@@ -10,12 +10,10 @@ import enum
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from ray_ple.log import log_event
-
-if TYPE_CHECKING:
-    from ray_ple.protocol.layout import ControlBlock
+from ray_ple.protocol.layout import ControlBlock, Side, State
 
 EXIT_CODE = 86
 
@@ -44,25 +42,33 @@ class Reason(enum.IntEnum):
     PUBLISH_DEADLINE = 18
 
 
+class Failure(NamedTuple):
+    """A broken rule, as the rule found it; the caller decides how to end (exit or kill)."""
+
+    reason: Reason
+    detail: str
+    layer: int | None = None
+
+
 def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
     """First writer wins: a FAILED block keeps its first reason."""
-    from ray_ple.protocol.layout import State
-
     if block is not None:
         try:
-            if block.state is not State.FAILED:
-                block.set_state(State.FAILED, int(reason))
+            block.fail(reason)
         except Exception:  # noqa: BLE001 - the segment may be gone; we are exiting anyway
             pass
 
 
-def fail_closed(where: str, reason: Reason, *, block: ControlBlock | None = None,
+def fail_closed(side: Side, reason: Reason, *, block: ControlBlock | None = None,
                 rank: int | None = None, layer: str | None = None, seq: int | None = None,
                 detail: str = "", **fields: Any) -> NoReturn:
     """End this process now; the pair is marked FAILED so that every watcher sees why."""
     mark_failed(block, reason)
-    log_event("verdict", level=logging.ERROR, where=where, reason=reason.name, rank=rank,
+    log_event("verdict", level=logging.ERROR, where=side.value, reason=reason.name, rank=rank,
               layer=layer, seq=seq, detail=detail[:500], **fields)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODE)
+
+
+__all__ = ["EXIT_CODE", "Failure", "Reason", "Side", "State", "fail_closed", "mark_failed"]

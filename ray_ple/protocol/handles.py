@@ -7,19 +7,20 @@ segment's own header, and its own model) before it maps or registers anything.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Mapping
 
+from pydantic import Field
+
+from ray_ple.base import Frozen
 from ray_ple.errors import PleHandleError
 from ray_ple.protocol.geometry import ITEMSIZE, DType, PleGeometry
 from ray_ple.protocol.layout import LAYOUT_VERSION, MAGIC, PairLayout
 from ray_ple.protocol.shm import SegmentRef
 
-
-class _Handle(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+PAIRS_ENV = "RAY_PLE_PAIRS"  # the out-of-band payload: the engine's pair handles, as JSON
 
 
-class SlotHandle(_Handle):
+class SlotHandle(Frozen):
     """One offloaded layer's output slot and flag inside a pair segment."""
 
     layer_name: str
@@ -34,7 +35,7 @@ class SlotHandle(_Handle):
     published_offset: int = Field(ge=0)
 
 
-class ControlHandle(_Handle):
+class ControlHandle(Frozen):
     """The control block: state, heartbeats, counters and the input slot."""
 
     count_offset: int = Field(ge=0)
@@ -42,7 +43,7 @@ class ControlHandle(_Handle):
     max_tokens: int = Field(gt=0)
 
 
-class PairHandle(_Handle):
+class PairHandle(Frozen):
     """Everything a worker of `rank` needs to map its pair; valid while the actor lives."""
 
     rank: int = Field(ge=0)
@@ -61,6 +62,37 @@ class PairHandle(_Handle):
     def layout(self) -> PairLayout:
         return PairLayout.compute(self.control.max_tokens, tuple(s.row_bytes for s in self.slots),
                                   version=self.layout_version)
+
+
+class EngineHandles(Frozen):
+    """Every worker's pair handle of one engine: the out-of-band payload (`RAY_PLE_PAIRS`).
+
+    Per-process names (segments, actors) never enter vLLM's compile key, so they travel in
+    the environment of the engine's processes rather than in `additional_config`.
+    """
+
+    pairs: tuple[PairHandle, ...] = Field(min_length=1)
+
+    def env(self) -> dict[str, str]:
+        return {PAIRS_ENV: self.model_dump_json()}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> EngineHandles:
+        raw = environ.get(PAIRS_ENV)
+        if not raw:
+            raise PleHandleError(
+                f"{PAIRS_ENV} is not set: this engine was configured for PLE offload but started "
+                "without its offload actors (start it through ray_ple, not plain vLLM)")
+        try:
+            return cls.model_validate_json(raw)
+        except ValueError as exc:
+            raise PleHandleError(f"{PAIRS_ENV} does not hold valid pair handles: {exc}") from exc
+
+
+class EngineAttached(Frozen):
+    """Every worker of the engine attached to its pair (pids, watched from now on)."""
+
+    worker_pids: tuple[int, ...]
 
 
 def make_pair_handle(*, rank: int, segment: SegmentRef, node_id: str, actor_name: str,

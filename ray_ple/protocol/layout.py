@@ -16,10 +16,12 @@ from __future__ import annotations
 import enum
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 
+from ray_ple.base import Frozen
+from ray_ple.errors import PleHandleError
 from ray_ple.protocol.shm import PAGE, SharedSegment, page_align
 
 LAYOUT_VERSION = 1
@@ -31,6 +33,23 @@ LAYERS_OFF, LAYER_STRIDE = 1024, 128
 MAX_LAYERS = (PAGE - LAYERS_OFF) // LAYER_STRIDE
 
 
+class Side(enum.Enum):
+    """Who acts: the two sides of a pair, the consumer inside the worker, the supervisor."""
+
+    WORKER = "worker"
+    OFFLOAD = "offload"
+    CONSUMER = "consumer"  # the worker's engine thread (CPU) or model stream (CUDA)
+    SUPERVISOR = "supervisor"
+
+
+class Counters(NamedTuple):
+    """The transaction counters of one pair, as one read saw them."""
+
+    posted: int
+    published: tuple[int, ...]
+    released: int
+
+
 class State(enum.IntEnum):
     INIT = 0
     READY = 1
@@ -38,10 +57,9 @@ class State(enum.IntEnum):
     CLOSED = 3
 
 
-class PairLayout(BaseModel):
+class PairLayout(Frozen):
     """Offsets of every field of one pair segment."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     version: int
     max_tokens: int
     row_bytes: tuple[int, ...]
@@ -56,7 +74,7 @@ class PairLayout(BaseModel):
     def compute(cls, max_tokens: int, row_bytes: tuple[int, ...],
                 version: int = LAYOUT_VERSION) -> PairLayout:
         if not 0 < len(row_bytes) <= MAX_LAYERS:
-            raise ValueError(f"{len(row_bytes)} layers; a pair holds 1..{MAX_LAYERS}")
+            raise PleHandleError(f"{len(row_bytes)} layers; a pair holds 1..{MAX_LAYERS}")
         count_off = PAGE
         ids_off = PAGE + 64
         cursor = page_align(ids_off + 4 * max_tokens)
@@ -143,6 +161,11 @@ class ControlBlock:
         self._state[1] = reason
         self._state[0] = int(state)
 
+    def fail(self, reason: int) -> None:
+        """FAILED with `reason`, unless already FAILED (the first reason wins)."""
+        if self.state is not State.FAILED:
+            self.set_state(State.FAILED, int(reason))
+
     @property
     def posted(self) -> int:
         return int(self._posted[0])
@@ -173,11 +196,18 @@ class ControlBlock:
     def token_count(self, v: int) -> None:
         self._count[0] = v
 
-    def beat(self, side: str, now_ns: int) -> None:
-        (self._hb_worker if side == "worker" else self._hb_offload)[0] = now_ns
+    def _beat_word(self, side: Side) -> np.ndarray:
+        if side is Side.WORKER:
+            return self._hb_worker
+        if side is Side.OFFLOAD:
+            return self._hb_offload
+        raise ValueError(f"only the two sides of a pair beat, not {side}")
 
-    def heartbeat(self, side: str) -> int:
-        return int((self._hb_worker if side == "worker" else self._hb_offload)[0])
+    def beat(self, side: Side, now_ns: int) -> None:
+        self._beat_word(side)[0] = now_ns
+
+    def heartbeat(self, side: Side) -> int:
+        return int(self._beat_word(side)[0])
 
     @property
     def worker_pid(self) -> int:
@@ -187,15 +217,20 @@ class ControlBlock:
     def worker_pid(self, v: int) -> None:
         self._worker_pid[0] = v
 
-    def stamp(self, side: str, now_ns: int) -> None:
-        """Monotonic time of the last post (worker) or publish (offload)."""
-        (self._post_ns if side == "worker" else self._publish_ns)[0] = now_ns
+    def stamp_post(self, now_ns: int) -> None:
+        """Monotonic time of the last post (hand-off latency metric)."""
+        self._post_ns[0] = now_ns
+
+    def stamp_publish(self, now_ns: int) -> None:
+        """Monotonic time of the last complete publish."""
+        self._publish_ns[0] = now_ns
 
     def stamps(self) -> tuple[int, int]:
         return int(self._post_ns[0]), int(self._publish_ns[0])
 
-    def counters(self) -> tuple[int, tuple[int, ...], int]:
-        """(posted, published per layer, released), read released first (it moves last)."""
+    def counters(self) -> Counters:
+        """Read in the order that cannot tear across steps: `released` (moves last), then
+        `published`, then `posted` (moves first); a later word is never older than an earlier."""
         released = self.released
         published = tuple(self.published(i) for i in range(len(self.flags)))
-        return self.posted, published, released
+        return Counters(self.posted, published, released)

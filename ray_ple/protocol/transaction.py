@@ -1,29 +1,35 @@
-"""The transaction: one per forward, per worker. The rules are written here once.
+"""The transaction: one per forward, per worker. Every rule of DESIGN sections 4 and 5, once.
 
 Timeline of step s (W = worker, O = offload actor, C = consumer: the GPU stream on CUDA, the
 engine thread on CPU; every counter lives in the pair's control block)::
 
-    W  begin(ids):   state READY?  posted == published[*] == released == s-1?  0 <= T <= max?
-                     write T and ids, then  posted = s  (release order), ring the doorbell
+    W  begin(ids):   phase IDLE?  state READY?  posted == published[*] == released == s-1?
+                     0 <= T <= max?  write T and ids, then  posted = s  (release order)
     O  next_step():  posted == last + 1 (anything else is fatal), released == last
     O  publish():    per layer: wait flag == 0 (bounded; never overwrite), gather the rows
                      into the slot, published[layer] = s, then flag = 1
-    C  pull(layer):  wait flag == 1, copy T x row_bytes from the slot, return the rows
+    C  pull(layer):  wait flag == 1, `consumable` (published == s, rows == T), copy the rows
     C  release(s):   flag = 0 for every layer, then released = s   (the only reset)
+    W  end_step(s):  phase back to IDLE
 
-Dummy, profiling and capture forwards never post: the worker satisfies them locally and no
-counter moves. Invariants checked by both sides and the supervisor:
+Dummy, profiling and capture forwards never post: the worker runs them in phase LOCAL, the
+transport satisfies them locally and no counter moves. Invariants, checked by both sides and
+the supervisor with the functions below:
 
     released <= published[layer] <= posted <= released + 1,  each counter grows by one.
 
 The one safety rule: forwards are serialized per worker and any doubt (a counter that jumps
 or goes back, a deadline missed, a peer gone, a forward abandoned between begin and release)
-ends the replica through `fail_closed`. Nothing is ever retried, reset or continued.
+ends the replica. The rules return a `Failure`; the sides end their process with it
+(`fail_closed`), the supervisor ends the replica. Nothing is ever retried, reset or continued.
+
+Memory order: the sides publish with plain stores and rely on x86-64's store order (TSO) for
+the words and the rows written with ordinary stores (`check_memory_model`).
 """
 
 from __future__ import annotations
 
-import os
+import enum
 import platform
 import time
 from collections.abc import Callable
@@ -31,11 +37,14 @@ from typing import NoReturn
 
 import numpy as np
 
-from ray_ple.testing import faults
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleEnvironmentError, PleTokenCountError
-from ray_ple.protocol.fatal import Reason, fail_closed
-from ray_ple.protocol.layout import ControlBlock, State
+from ray_ple.protocol.fatal import Failure, Reason, fail_closed
+from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
+
+# A test-only seam (ray_ple.testing.faults): called where a word is about to be stored, it
+# returns True when it stored a faulty word itself. None in production: no code runs.
+Cut = Callable[[int, int], bool]
 
 
 def check_memory_model() -> None:
@@ -50,37 +59,139 @@ def check_memory_model() -> None:
                                   f"is {machine}")
 
 
-def invariant_violation(posted: int, published: tuple[int, ...], released: int) -> str | None:
-    """The counter invariant of DESIGN section 4, as a reason string (None when it holds)."""
-    for i, p in enumerate(published):
-        if not released <= p <= posted:
-            return f"published[{i}]={p} outside [released={released}, posted={posted}]"
-    if not released <= posted <= released + 1:
-        return f"posted={posted} released={released}: more than one step in flight"
+# The rules -----------------------------------------------------------------------------------
+def invariant_violation(c: Counters) -> Failure | None:
+    """released <= published[layer] <= posted <= released + 1."""
+    for i, p in enumerate(c.published):
+        if not c.released <= p <= c.posted:
+            return Failure(Reason.INVARIANT, f"published[{i}]={p} outside [released="
+                           f"{c.released}, posted={c.posted}]", i)
+    if not c.released <= c.posted <= c.released + 1:
+        return Failure(Reason.INVARIANT, f"posted={c.posted} released={c.released}: more than "
+                       "one step in flight")
     return None
 
 
-def wait_word(read: Callable[[], int], want: int, deadline_s: float, *,
-              spin_s: float = 50e-6, abort: Callable[[], bool] | None = None) -> bool:
-    """Bounded spin, then sleep with backoff, until `read() == want`. False on deadline/abort."""
-    if read() == want:
+def went_back(before: Counters, after: Counters) -> Failure | None:
+    """Every counter only grows."""
+    if (after.posted < before.posted or after.released < before.released
+            or any(a < b for a, b in zip(after.published, before.published))):
+        return Failure(Reason.COUNTER_BACK, f"counters went back: {tuple(before)} -> "
+                       f"{tuple(after)}")
+    return None
+
+
+def next_posted(last: int, posted: int, released: int) -> Failure | None:
+    """What the offload side may see: `posted` one past the last step it served, released."""
+    if posted < last:
+        return Failure(Reason.COUNTER_BACK, f"posted went back to {posted} from {last}")
+    if posted > last + 1:
+        return Failure(Reason.COUNTER_SKIP, f"posted jumped to {posted} from {last}")
+    if released != last:
+        return Failure(Reason.INVARIANT, f"step {posted} posted while released={released}")
+    return None
+
+
+def peer_state(block: ControlBlock) -> Failure | None:
+    """The pair must be READY to take or serve a step; FAILED carries the peer's reason."""
+    state = block.state
+    if state is State.FAILED:
+        return Failure(Reason.PEER_FAILED, f"pair failed with reason {Reason(block.reason).name}")
+    if state is not State.READY:
+        return Failure(Reason.STATE, f"pair state {state.name}")
+    return None
+
+
+def stale_heartbeat(block: ControlBlock, side: Side, now_ns: int,
+                    deadlines: PleDeadlines) -> Failure | None:
+    """A side whose heartbeat is older than `heartbeat_s` is dead (checked while READY)."""
+    age = now_ns - block.heartbeat(side)
+    if block.state is State.READY and age > deadlines.heartbeat_s * 1e9:
+        return Failure(Reason.HEARTBEAT, f"{side.value} heartbeat {age / 1e9:.2f}s old")
+    return None
+
+
+def consumable(block: ControlBlock, layer: int, step: int, rows: int) -> Failure | None:
+    """The consumer's check once a flag is up: rows of this step, as many as were posted."""
+    if block.published(layer) != step:
+        return Failure(Reason.INVARIANT, f"flag up but published={block.published(layer)} for "
+                       f"step {step}", layer)
+    return token_rows(block, layer, step, rows)
+
+
+def token_rows(block: ControlBlock, layer: int, step: int, rows: int) -> Failure | None:
+    """A forward pulls exactly the T rows its step posted."""
+    if rows != block.token_count:
+        return Failure(Reason.GEOMETRY, f"forward pulls {rows} rows, step {step} posted "
+                       f"{block.token_count}", layer)
+    return None
+
+
+class Deadline:
+    """How long a condition has held, keyed on the step: a new step restarts the clock.
+
+    Used for "a posted step is released within step_s" and "its rows are published within
+    offload_wait_s", by the offload side and by the supervisor alike.
+    """
+
+    def __init__(self, reason: Reason, limit_s: float, what: str) -> None:
+        self.reason, self.limit_ns, self.what = reason, int(limit_s * 1e9), what
+        self._key: int | None = None
+        self._since = 0
+
+    def check(self, holds: bool, step: int, now_ns: int) -> Failure | None:
+        if not holds:
+            self._key = None
+            return None
+        if self._key != step:
+            self._key, self._since = step, now_ns
+        if now_ns - self._since > self.limit_ns:
+            return Failure(self.reason, f"step {step} {self.what} within "
+                           f"{self.limit_ns / 1e9:g}s")
+        return None
+
+
+def step_deadline(deadlines: PleDeadlines) -> Deadline:
+    """A posted step must be released in time (also catches a GPU stuck in a wait)."""
+    return Deadline(Reason.STEP_DEADLINE, deadlines.step_s, "not released")
+
+
+def publish_deadline(deadlines: PleDeadlines) -> Deadline:
+    """A posted step's rows must be published in time."""
+    return Deadline(Reason.PUBLISH_DEADLINE, deadlines.offload_wait_s, "not published")
+
+
+def wait_until(ready: Callable[[], bool], deadline_s: float, *, spin_s: float = 50e-6,
+               abort: Callable[[], bool] | None = None) -> bool:
+    """The one wait: bounded spin, then sleep with backoff, until `ready()`. False on
+    deadline or abort (checked once more first, so a late arrival is never lost)."""
+    if ready():
         return True
     start = time.perf_counter()
     end_spin, deadline = start + spin_s, start + deadline_s
     nap = 20e-6
     while True:
-        if read() == want:
+        if ready():
             return True
         now = time.perf_counter()
         if now >= deadline or (abort is not None and abort()):
-            return read() == want
+            return ready()
         if now >= end_spin:
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
 
 
+# The two ends --------------------------------------------------------------------------------
+class Phase(enum.Enum):
+    """Where the worker is between forwards; the one record, read by the transports."""
+
+    IDLE = "idle"  # no forward: a pull here is a forward without a transaction
+    STEP = "step"  # a posted step is in flight
+    LOCAL = "local"  # dummy / profile / capture forward, satisfied locally
+
+
 class WorkerEnd:
-    """The worker's half: begin a step before the forward, hand it to release after."""
+    """The worker's half: begin a step before the forward, end it after its release."""
 
     def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines,
                  layer_names: tuple[str, ...]) -> None:
@@ -88,24 +199,25 @@ class WorkerEnd:
         self.block, self.rank, self.deadlines = block, rank, deadlines
         self.layer_names = layer_names
         self.step = block.posted
-        self.in_flight = False
+        self.phase = Phase.IDLE
 
-    def _fail(self, reason: Reason, detail: str) -> NoReturn:
-        fail_closed("worker", reason, block=self.block, rank=self.rank, seq=self.step,
-                    detail=detail)
+    def fail(self, f: Failure, side: Side = Side.WORKER) -> NoReturn:
+        fail_closed(side, f.reason, block=self.block, rank=self.rank, seq=self.step,
+                    layer=None if f.layer is None else self.layer_names[f.layer],
+                    detail=f.detail)
 
-    def begin(self, ids: np.ndarray) -> int:
+    def begin(self, ids: np.ndarray, cut: Cut | None = None) -> int:
         """Post step s with these token ids. Raises `PleTokenCountError` before posting."""
         b = self.block
-        if self.in_flight:
-            self._fail(Reason.ABANDONED, f"step {self.step} was posted and never released")
-        if b.state is not State.READY:
-            self._fail(Reason.PEER_FAILED if b.state is State.FAILED else Reason.STATE,
-                       f"pair state {b.state.name} reason {b.reason}")
-        posted, published, released = b.counters()
-        if posted != self.step or released != self.step or any(p != self.step for p in published):
-            self._fail(Reason.INVARIANT, f"expected all counters at {self.step}, got posted="
-                       f"{posted} published={published} released={released}")
+        if self.phase is not Phase.IDLE:
+            self.fail(Failure(Reason.ABANDONED, f"begin in phase {self.phase.value} (step "
+                              f"{self.step} posted and never released)"))
+        if (f := peer_state(b)) is not None:
+            self.fail(f)
+        c = b.counters()
+        if c != Counters(self.step, tuple(self.step for _ in c.published), self.step):
+            self.fail(Failure(Reason.INVARIANT, f"expected all counters at {self.step}, got "
+                              f"{tuple(c)}"))
         t = int(ids.shape[0])
         if not 0 <= t <= b.layout.max_tokens:
             raise PleTokenCountError(
@@ -114,37 +226,59 @@ class WorkerEnd:
         b.token_count = t
         b.ids[:t] = ids
         s = self.step + 1
-        fault = faults.ACTIVE and _worker_fault(self.rank)
-        b.stamp("worker", time.monotonic_ns())
-        if not fault or fault.point not in ("worker.lost_post", "worker.skip_post"):
+        b.stamp_post(time.monotonic_ns())
+        if cut is None or not cut(self.rank, s):
             b.posted = s  # x86-64 TSO: the stores above are visible before this one
-        elif fault.point == "worker.skip_post":
-            b.posted = s + 1
-        self.step, self.in_flight = s, True
+        self.step, self.phase = s, Phase.STEP
         return s
 
-    def released(self, step: int) -> None:
+    def end_step(self, step: int) -> None:
         """Called once the consumer's release of `step` has been issued."""
-        if not self.in_flight or step != self.step:
-            self._fail(Reason.COUNTER_BACK, f"release of step {step}, in flight {self.step}")
-        self.in_flight = False
+        if self.phase is not Phase.STEP or step != self.step:
+            self.fail(Failure(Reason.COUNTER_BACK, f"release of step {step} in phase "
+                              f"{self.phase.value}, step {self.step}"))
+        self.phase = Phase.IDLE
 
-    def abandon(self, why: str) -> None:
+    def begin_local(self) -> None:
+        """A forward that must not reach the offload actor (dummy, profile, capture)."""
+        if self.phase is not Phase.IDLE:
+            self.abandon(f"local forward in phase {self.phase.value}")
+        self.phase = Phase.LOCAL
+
+    def end_local(self) -> None:
+        self.phase = Phase.IDLE
+
+    def abandon(self, why: str) -> NoReturn:
         """A prepared forward that will not complete: fatal, never continued."""
-        self._fail(Reason.ABANDONED, why)
+        self.fail(Failure(Reason.ABANDONED, why))
 
 
 class OffloadEnd:
     """The offload actor's half: see each step exactly once, publish its rows per layer."""
 
-    def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines) -> None:
+    def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines,
+                 layer_names: tuple[str, ...]) -> None:
         check_memory_model()
         self.block, self.rank, self.deadlines = block, rank, deadlines
+        self.layer_names = layer_names
         self.last = block.posted
+        self._unreleased = step_deadline(deadlines)
 
-    def _fail(self, reason: Reason, detail: str, layer: str | None = None) -> NoReturn:
-        fail_closed("offload", reason, block=self.block, rank=self.rank, seq=self.last,
-                    layer=layer, detail=detail)
+    def fail(self, f: Failure) -> NoReturn:
+        fail_closed(Side.OFFLOAD, f.reason, block=self.block, rank=self.rank, seq=self.last,
+                    layer=None if f.layer is None else self.layer_names[f.layer],
+                    detail=f.detail)
+
+    def watch(self, now_ns: int) -> None:
+        """Between steps: the worker alive, the pair not failed, the last step released."""
+        b = self.block
+        if b.state is State.FAILED:
+            self.fail(Failure(Reason.PEER_FAILED, f"worker side failed with reason "
+                              f"{Reason(b.reason).name}"))
+        if (f := stale_heartbeat(b, Side.WORKER, now_ns, self.deadlines)) is not None:
+            self.fail(f)
+        if (f := self._unreleased.check(b.released < self.last, self.last, now_ns)) is not None:
+            self.fail(f)
 
     def next_step(self) -> int | None:
         """The step to serve now, None if nothing new; fatal on any other counter value."""
@@ -152,55 +286,25 @@ class OffloadEnd:
         posted = b.posted
         if posted == self.last:
             return None
-        if posted < self.last:
-            self._fail(Reason.COUNTER_BACK, f"posted went back to {posted} from {self.last}")
-        if posted > self.last + 1:
-            self._fail(Reason.COUNTER_SKIP, f"posted jumped to {posted} from {self.last}")
-        released = b.released
-        if released != self.last:
-            self._fail(Reason.INVARIANT, f"step {posted} posted while released={released}")
+        if (f := next_posted(self.last, posted, b.released)) is not None:
+            self.fail(f)
         return posted
 
     def publish(self, step: int, gather: Callable[[int, np.ndarray, np.ndarray], None],
-                names: tuple[str, ...]) -> None:
+                cut: Cut | None = None) -> None:
         """Gather and publish every layer of `step`; `gather(layer, ids, out_rows)`."""
         b = self.block
         t = b.token_count
         if not 0 <= t <= b.layout.max_tokens:
-            self._fail(Reason.TOKEN_COUNT, f"step {step} has {t} tokens")
+            self.fail(Failure(Reason.TOKEN_COUNT, f"step {step} has {t} tokens"))
         ids = b.ids[:t]
-        fault = faults.ACTIVE and _offload_fault(self.rank, b, ids, gather)
         for i, flag in enumerate(b.flags):
-            if not wait_word(lambda f=flag: int(f[0]), 0, self.deadlines.offload_wait_s):
-                self._fail(Reason.OFFLOAD_WAIT, f"flag of step {step - 1} never reset",
-                           layer=names[i])
+            if not wait_until(lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s):
+                self.fail(Failure(Reason.OFFLOAD_WAIT, f"flag of step {step - 1} never reset",
+                                  i))
             gather(i, ids, b.slots[i][:t])
-            b.set_published(i, step - 1 if fault else step)
-            flag[0] = 1  # x86-64 TSO: rows and `published` are visible before the flag
-        b.stamp("offload", time.monotonic_ns())
+            if cut is None or not cut(i, step):
+                b.set_published(i, step)
+                flag[0] = 1  # x86-64 TSO: rows and `published` are visible before the flag
+        b.stamp_publish(time.monotonic_ns())
         self.last = step
-
-
-# Test-only cut points (ray_ple.testing.faults); never reached unless a fault plan is armed. -------
-def _worker_fault(rank: int) -> faults.Fault | None:
-    for point in ("worker.raise_before_post", "worker.lost_post", "worker.skip_post"):
-        fault = faults.hit(point, rank)
-        if fault is not None and point == "worker.raise_before_post":
-            raise RuntimeError(f"injected fault {fault.id}: exception before post")
-        if fault is not None:
-            return fault
-    return None
-
-
-def _offload_fault(rank: int, block: ControlBlock, ids: np.ndarray,
-                   gather: Callable[[int, np.ndarray, np.ndarray], None]) -> bool:
-    """Park, die mid-gather, or (True) publish a stale counter, as the plan says."""
-    if (fault := faults.hit("offload.park_before_publish", rank)) is not None:
-        time.sleep(fault.arg or 1e9)
-    if faults.hit("offload.truncate_segment", rank) is not None:
-        os.ftruncate(block.segment.fd, 0)  # every mapper faults on its next touch
-    if faults.hit("offload.die_mid_gather", rank) is not None:
-        half = ids.shape[0] // 2
-        gather(0, ids[:half], block.slots[0][:half])
-        os._exit(1)
-    return faults.hit("offload.repeat_publish", rank) is not None

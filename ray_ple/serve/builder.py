@@ -7,25 +7,51 @@ clear error before any replica, actor or segment exists.
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, ValidationError
 from ray.serve import Application
 
-from ray_ple.config import PleConfig
+from ray_ple.base import Frozen
+from ray_ple.config import PleConfig, validation_message
+from ray_ple.engine_plan import plan_offload, slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
-from ray_ple.engine_plan import plan_offload, slot_tokens
 from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.tiny_model import resolve
 
 SERVER_CLS = "ray_ple.serve.server:PleLLMServer"
 
 
-class PleAppArgs(BaseModel):
+class PleAppArgs(Frozen):
     """`args:` of the application: Ray Serve LLM's serving args, `ple:` inside each model."""
 
-    model_config = ConfigDict(extra="forbid")
     llm_configs: list[dict[str, Any]] = Field(min_length=1)
     ingress_deployment_config: dict[str, Any] | None = None
+
+
+def app_args(args: PleAppArgs | dict[str, Any]) -> PleAppArgs:
+    """The application's `args:`, or one `PleConfigError` naming each offending key."""
+    if isinstance(args, PleAppArgs):
+        return args
+    try:
+        return PleAppArgs.model_validate(args)
+    except ValidationError as exc:
+        raise PleConfigError(validation_message("args", exc)) from None
+
+
+def parse_entry(entry: dict[str, Any], index: int) -> tuple[Any, PleConfig]:
+    """One model's `LLMConfig` and `ple:` block; bad keys are one `PleConfigError` each."""
+    from ray.serve.llm import LLMConfig
+
+    entry = dict(entry)
+    where = f"llm_configs[{index}]"
+    try:
+        ple = PleConfig.model_validate(entry.pop("ple", {}) or {})
+    except ValidationError as exc:
+        raise PleConfigError(validation_message(f"{where}.ple", exc)) from None
+    try:
+        return LLMConfig.model_validate(entry), ple
+    except ValidationError as exc:
+        raise PleConfigError(validation_message(where, exc)) from None
 
 
 def _offload_bundles(llm: Any, ple: PleConfig, world_size: int) -> dict[str, Any]:
@@ -58,9 +84,16 @@ def _transport(llm: Any, ple: PleConfig) -> str:
 
 
 def _check_server_cls(llm: Any) -> None:
-    if llm.server_cls not in (None, SERVER_CLS):
-        raise PleConfigError("server_cls is set by ray-ple; subclass ray_ple.serve.server."
-                             "PleLLMServer instead")
+    """`server_cls` may be left out, or be `PleLLMServer` or a subclass of it (Ray Serve LLM
+    has already turned a dotted path into the class; compared by name, so that checking a
+    manifest never imports the server)."""
+    cls = llm.server_cls
+    if cls is None:
+        return
+    names = {f"{c.__module__}:{c.__qualname__}" for c in getattr(cls, "__mro__", ())}
+    if SERVER_CLS not in names:
+        raise PleConfigError(f"server_cls must be {SERVER_CLS} or a subclass of it when "
+                             f"ple.enabled is true; got {cls!r}")
 
 
 def validate_args(args: PleAppArgs | dict[str, Any]) -> list[tuple[Any, PleConfig]]:
@@ -71,12 +104,9 @@ def validate_args(args: PleAppArgs | dict[str, Any]) -> list[tuple[Any, PleConfi
     """
     from ray.serve.llm import LLMConfig
 
-    args = PleAppArgs.model_validate(args) if isinstance(args, dict) else args
     out = []
-    for entry in args.llm_configs:
-        entry = dict(entry)
-        ple = PleConfig.model_validate(entry.pop("ple", {}) or {})
-        llm = LLMConfig.model_validate(entry)
+    for i, entry in enumerate(app_args(args).llm_configs):
+        llm, ple = parse_entry(entry, i)
         if ple.enabled:
             _transport(llm, ple)
             slot_tokens(ple, llm.engine_kwargs)
@@ -90,13 +120,11 @@ def validate_args(args: PleAppArgs | dict[str, Any]) -> list[tuple[Any, PleConfi
     return out
 
 
-def offload_llm_config(entry: dict[str, Any]) -> Any:
+def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
     from ray.serve.llm import LLMConfig
 
-    entry = dict(entry)
-    ple = PleConfig.model_validate(entry.pop("ple", {}) or {})
-    llm = LLMConfig.model_validate(entry)
+    llm, ple = parse_entry(entry, index)
     mlc = llm.model_loading_config
     source = mlc.model_source or mlc.model_id
     checkpoint = resolve(source)
@@ -117,7 +145,7 @@ def offload_llm_config(entry: dict[str, Any]) -> Any:
     fields.update(
         engine_kwargs=plan.engine_kwargs,
         runtime_env=runtime_env,
-        server_cls=SERVER_CLS,
+        server_cls=llm.server_cls or SERVER_CLS,
         placement_group_config=_offload_bundles(llm, ple, plan.world_size),
         experimental_configs={**(fields.get("experimental_configs") or {}),
                               **server_plan.to_experimental()},
@@ -132,9 +160,9 @@ def build_app(args: PleAppArgs) -> Application:
     """`import_path: ray_ple.serve:build_app`; returns Ray Serve LLM's OpenAI application."""
     from ray.serve.llm import build_openai_app
 
-    args = PleAppArgs.model_validate(args) if isinstance(args, dict) else args
-
-    serving: dict[str, Any] = {"llm_configs": [offload_llm_config(e) for e in args.llm_configs]}
+    args = app_args(args)
+    serving: dict[str, Any] = {"llm_configs": [offload_llm_config(e, i)
+                                               for i, e in enumerate(args.llm_configs)]}
     if args.ingress_deployment_config is not None:
         serving["ingress_deployment_config"] = args.ingress_deployment_config
     return build_openai_app(serving)

@@ -20,9 +20,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ple.errors import PleError
 from ray_ple.log import log_event
+from ray_ple.offload.actor import PairStatus
+from ray_ple.protocol.handles import EngineAttached, EngineHandles
 from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.supervision.engine_leftovers import remove_unused, shm_files_of
-from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec
+from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, Verdict
 from ray_ple.tiny_model import resolve
 
 HEALTH_TIMEOUT_S = 5.0
@@ -57,25 +59,28 @@ class PleLLMServer(LLMServer):
             name=f"ray-ple-supervisor-{tag}", lifetime="detached", num_cpus=0,
             max_concurrency=4, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False),
-        ).remote(spec.model_dump(), ctx.current_actor, ray.util.get_current_placement_group())
+        ).remote(spec, ctx.current_actor, ray.util.get_current_placement_group())
         try:
-            os.environ.update(await self.supervisor.start_pairs.remote())
+            handles: EngineHandles = await self.supervisor.start_pairs.remote()
+            os.environ.update(handles.env())
             await super().start()
-            workers = await self.supervisor.engine_started.remote()
+            attached: EngineAttached = await self.supervisor.engine_started.remote()
         except BaseException:
             self.supervisor.close.remote()
             raise
-        log_event("replica_ready", replica=tag, world_size=plan.world_size, worker_pids=workers)
+        log_event("replica_ready", replica=tag, world_size=plan.world_size,
+                  worker_pids=list(attached.worker_pids))
 
     async def check_health(self) -> None:
         if self.supervisor is not None:
-            verdict = await asyncio.wait_for(self.supervisor.verdict.remote(), HEALTH_TIMEOUT_S)
+            verdict: Verdict | None = await asyncio.wait_for(self.supervisor.verdict.remote(),
+                                                             HEALTH_TIMEOUT_S)
             if verdict is not None:
-                raise RuntimeError(f"ray-ple supervisor ended this replica: {verdict['reason']}"
-                                   f" ({verdict['detail']})")
+                raise RuntimeError(f"ray-ple supervisor ended this replica: {verdict.reason}"
+                                   f" ({verdict.detail})")
         await super().check_health()
 
-    async def ple_status(self) -> list[dict[str, Any]]:
+    async def ple_status(self) -> list[PairStatus]:
         """The replica's pairs, one snapshot each (empty when unoffloaded)."""
         if self.supervisor is None:
             return []

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
 from ray_ple.protocol.geometry import PleGeometry
-from ray_ple.offload.table_store import TableSource
+from ray_ple.protocol.table_source import TableSource
 
 KEY = "ray_ple"
 
 
-class ServerPlan(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ServerPlan(Frozen):
     ple: PleConfig
     model_source: str  # as the user wrote it (ray-ple://... is rebuilt on the replica's node)
     checkpoint_dir: str

@@ -30,21 +30,28 @@ import time
 from typing import Any
 
 import psutil
-from pydantic import BaseModel, ConfigDict
 
-from ray_ple.supervision import metrics
-from ray_ple.config import PleConfig
+from ray_ple.base import Frozen
+from ray_ple.config import PleConfig, PleDeadlines
 from ray_ple.errors import PleError
-from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.geometry import PleGeometry
-from ray_ple.protocol.handles import PairHandle
-from ray_ple.protocol.layout import ControlBlock, State
 from ray_ple.log import log_event
-from ray_ple.supervision.offload_group import PairSet
+from ray_ple.offload.actor import PairStatus
+from ray_ple.protocol.fatal import Failure, Reason
+from ray_ple.protocol.geometry import PleGeometry
+from ray_ple.protocol.handles import EngineAttached, EngineHandles, PairHandle
+from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
 from ray_ple.protocol.shm import open_segment
+from ray_ple.protocol.table_source import TableSource
+from ray_ple.protocol.transaction import (
+    invariant_violation,
+    publish_deadline,
+    stale_heartbeat,
+    step_deadline,
+    went_back,
+)
+from ray_ple.supervision import metrics
 from ray_ple.supervision.engine_leftovers import remove_unused, shm_files_of
-from ray_ple.offload.table_store import TableSource
-from ray_ple.protocol.transaction import invariant_violation
+from ray_ple.supervision.offload_group import OffloadGroup
 
 KV_PREFIX = "ray_ple:verdict:"
 CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more
@@ -54,8 +61,7 @@ _DEADLINES = {Reason.STEP_DEADLINE: "step", Reason.PUBLISH_DEADLINE: "publish",
               Reason.HEARTBEAT: "heartbeat", Reason.STARTUP_DEADLINE: "startup"}
 
 
-class SupervisorSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class SupervisorSpec(Frozen):
     tag: str
     ple: PleConfig
     geometry: PleGeometry
@@ -64,7 +70,7 @@ class SupervisorSpec(BaseModel):
     replica_pid: int
 
 
-class Verdict(BaseModel):
+class Verdict(Frozen):
     """What ended a replica, and how fast (also stored in the GCS KV under KV_PREFIX+tag)."""
 
     replica: str
@@ -76,8 +82,8 @@ class Verdict(BaseModel):
     detected_at: float
     gone_at: float | None = None
     detect_to_gone_s: float | None = None
-    pids: list[int] = []
-    survivors: list[str] = []  # pid:name:state of any process that would not go
+    pids: tuple[int, ...] = ()
+    survivors: tuple[str, ...] = ()  # pid:name:state of any process that would not go
 
 
 class _Problem(Exception):
@@ -85,6 +91,11 @@ class _Problem(Exception):
                  layer: str | None = None, seq: int | None = None) -> None:
         super().__init__(detail)
         self.reason, self.detail, self.rank, self.layer, self.seq = reason, detail, rank, layer, seq
+
+    @classmethod
+    def of(cls, f: Failure, handle: PairHandle, seq: int) -> _Problem:
+        layer = None if f.layer is None else handle.layer_names[f.layer]
+        return cls(f.reason, f.detail, rank=handle.rank, layer=layer, seq=seq)
 
 
 def _proc_state(pid: int) -> str | None:
@@ -101,12 +112,12 @@ class _Watched:
     """One pair as the supervisor sees it: an fd of its segment (read with pread, never
     mapped, so that a segment taken away cannot fault the watcher) and the last values."""
 
-    def __init__(self, handle: PairHandle) -> None:
+    def __init__(self, handle: PairHandle, deadlines: PleDeadlines) -> None:
         self.handle, self.layout = handle, handle.layout()
         self.fd = open_segment(handle.segment)
-        self.last = (0, tuple(0 for _ in handle.slots), 0)
-        self.in_flight_since: int | None = None
-        self.unpublished_since: int | None = None
+        self.last = Counters(0, tuple(0 for _ in handle.slots), 0)
+        self.unreleased = step_deadline(deadlines)
+        self.unpublished = publish_deadline(deadlines)
 
     def read(self) -> ControlBlock:
         block = ControlBlock.snapshot(self.fd, self.layout)
@@ -122,10 +133,10 @@ class _Watched:
 class Supervisor:
     """`ray.remote(Supervisor)`: created by the replica's server, detached, on its node."""
 
-    def __init__(self, spec: dict[str, Any], replica: Any, placement_group: Any) -> None:
-        self.spec = SupervisorSpec.model_validate(spec)
+    def __init__(self, spec: SupervisorSpec, replica: Any, placement_group: Any) -> None:
+        self.spec = SupervisorSpec.model_validate(spec)  # re-checked on arrival
         self._replica, self._pg = replica, placement_group
-        self._pairs = PairSet(self.spec.ple, self.spec.geometry, self.spec.sources,
+        self._pairs = OffloadGroup(self.spec.ple, self.spec.geometry, self.spec.sources,
                               tag=self.spec.tag)
         self._watched: list[_Watched] = []
         self._pids: dict[int, str] = {self.spec.replica_pid: "replica"}
@@ -144,18 +155,18 @@ class Supervisor:
         self._thread.start()
 
     # called by the replica's server -----------------------------------------------------
-    def start_pairs(self) -> dict[str, str]:
-        """Build and validate the pairs; return what the engine's workers need (env)."""
+    def start_pairs(self) -> EngineHandles:
+        """Build and validate the pairs; return what the engine's workers need."""
         bundles = list(range(self.spec.world_size))
         handles = self._pairs.start(self.spec.world_size, self._pg, bundles)
         with self._lock:
             for handle in handles:
-                self._watched.append(_Watched(handle))
+                self._watched.append(_Watched(handle, self.spec.ple.deadlines))
                 self._pids[handle.segment.pid] = f"offload[{handle.rank}]"
                 self._watch_pid(handle.segment.pid)
-        return self._pairs.env()
+        return EngineHandles(pairs=tuple(handles))
 
-    def engine_started(self) -> list[int]:
+    def engine_started(self) -> EngineAttached:
         """Every worker must have attached; from now on its process is watched too."""
         with self._lock:
             pids = []
@@ -168,17 +179,17 @@ class Supervisor:
                 self._pids[block.worker_pid] = f"worker[{w.handle.rank}]"
                 self._watch_pid(block.worker_pid)
             self._engine_started = True
-            return pids
+            return EngineAttached(worker_pids=tuple(pids))
 
-    def verdict(self) -> dict[str, Any] | None:
-        return None if self._verdict is None else self._verdict.model_dump()
+    def verdict(self) -> Verdict | None:
+        return self._verdict
 
     def pids(self) -> dict[int, str]:
         return dict(self._pids)
 
-    def statuses(self) -> list[dict[str, Any]]:
+    def statuses(self) -> list[PairStatus]:
         """Each pair as its offload actor sees it (for operators and tests)."""
-        return [s.model_dump() for s in self._pairs.statuses()]
+        return self._pairs.statuses()
 
     def close(self) -> None:
         """Orderly end of the replica: pairs CLOSED (no verdict), actors gone. The engine
@@ -246,41 +257,29 @@ class Supervisor:
             self._check_pair(w, b, now)
 
     def _check_pair(self, w: _Watched, b: ControlBlock, now: int) -> None:
-        rank, dl = w.handle.rank, self.spec.ple.deadlines
-        state = b.state
-        if state is State.CLOSED and not self._closing:
-            raise _Problem(Reason.STATE, "pair closed while the replica serves", rank=rank)
-        posted, published, released = b.counters()
-        last_posted, last_published, last_released = w.last
-        if (posted < last_posted or released < last_released
-                or any(p < q for p, q in zip(published, last_published))):
-            raise _Problem(Reason.COUNTER_BACK, f"counters went back: {w.last} -> "
-                           f"{(posted, published, released)}", rank=rank, seq=posted)
-        bad = invariant_violation(posted, published, released)
-        if bad:
-            raise _Problem(Reason.INVARIANT, bad, rank=rank, seq=posted)
-        if released > last_released:
-            metrics.transactions(self.spec.tag, rank, released - last_released)
+        handle = w.handle
+        if b.state is State.CLOSED and not self._closing:
+            raise _Problem(Reason.STATE, "pair closed while the replica serves",
+                           rank=handle.rank)
+        c = b.counters()
+        if went_back(w.last, c) or invariant_violation(c):
+            # a stall inside one read can mix two steps: only a second read that still breaks
+            # a rule is a verdict
+            c = w.read().counters()
+            if (f := went_back(w.last, c) or invariant_violation(c)) is not None:
+                raise _Problem.of(f, handle, c.posted)
+        if c.released > w.last.released:
+            metrics.transactions(self.spec.tag, handle.rank, c.released - w.last.released)
             post_ns, publish_ns = b.stamps()
             if publish_ns >= post_ns > 0:
-                metrics.handoff(self.spec.tag, rank, (publish_ns - post_ns) / 1e9)
-        w.last = (posted, published, released)
-        w.in_flight_since = (w.in_flight_since or now) if posted > released else None
-        if w.in_flight_since and now - w.in_flight_since > dl.step_s * 1e9:
-            raise _Problem(Reason.STEP_DEADLINE, f"step {posted} not released in {dl.step_s}s",
-                           rank=rank, seq=posted)
-        lagging = min(published) < posted
-        w.unpublished_since = (w.unpublished_since or now) if lagging else None
-        if w.unpublished_since and now - w.unpublished_since > dl.offload_wait_s * 1e9:
-            layer = w.handle.layer_names[published.index(min(published))]
-            raise _Problem(Reason.PUBLISH_DEADLINE, f"rows of step {posted} not published in "
-                           f"{dl.offload_wait_s}s", rank=rank, layer=layer, seq=posted)
-        if state is State.READY:
-            for side in ("worker", "offload"):
-                age = now - b.heartbeat(side)
-                if age > dl.heartbeat_s * 1e9:
-                    raise _Problem(Reason.HEARTBEAT, f"{side} heartbeat {age / 1e9:.2f}s old",
-                                   rank=rank, seq=posted)
+                metrics.handoff(self.spec.tag, handle.rank, (publish_ns - post_ns) / 1e9)
+        w.last = c
+        for f in (w.unreleased.check(c.posted > c.released, c.posted, now),
+                  w.unpublished.check(min(c.published) < c.posted, c.posted, now),
+                  stale_heartbeat(b, Side.WORKER, now, self.spec.ple.deadlines),
+                  stale_heartbeat(b, Side.OFFLOAD, now, self.spec.ple.deadlines)):
+            if f is not None:
+                raise _Problem.of(f, handle, c.posted)
 
     # ending -----------------------------------------------------------------------------
     def _replica_processes(self) -> dict[int, str]:
@@ -295,10 +294,7 @@ class Supervisor:
     def _terminate(self, p: _Problem) -> None:
         import ray
 
-        t0 = time.monotonic()
-        verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
-                          layer=p.layer, seq=p.seq, detail=p.detail[:500],
-                          detected_at=time.time())
+        t0, detected_at = time.monotonic(), time.time()
         log_event("verdict", where="supervisor", replica=self.spec.tag, rank=p.rank,
                   layer=p.layer, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
         metrics.verdict(self.spec.tag, p.reason.name)
@@ -327,10 +323,12 @@ class Supervisor:
             time.sleep(0.005)
         survivors = [f"{pid}:{procs[pid]}:{_proc_state(pid)}" for pid in procs
                      if _proc_state(pid)]
-        verdict.gone_at = time.time()
-        verdict.detect_to_gone_s = round(time.monotonic() - t0, 4)
+        verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
+                          layer=p.layer, seq=p.seq, detail=p.detail[:500],
+                          detected_at=detected_at, gone_at=time.time(),
+                          detect_to_gone_s=round(time.monotonic() - t0, 4),
+                          pids=sorted(procs), survivors=survivors)
         shm_removed = remove_unused(shm_files)  # once nothing of the replica can map them
-        verdict.pids, verdict.survivors = sorted(procs), survivors
         self._verdict = verdict
         log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
                   detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),

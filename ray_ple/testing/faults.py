@@ -13,11 +13,19 @@ import json
 import os
 import time
 from collections import defaultdict
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import Field
 
+from ray_ple.base import Frozen
 from ray_ple.log import log_event
+
+if TYPE_CHECKING:
+    from ray_ple.protocol.layout import ControlBlock
+
+Cut = Callable[[int, int], bool]  # the seam of ray_ple.protocol.transaction
 
 ENV = "RAY_PLE_FAULTS_FILE"
 
@@ -39,8 +47,7 @@ CutPoint = Literal[
 ]
 
 
-class Fault(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Fault(Frozen):
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     point: CutPoint
     rank: int | None = None
@@ -48,8 +55,7 @@ class Fault(BaseModel):
     arg: float = 0.0
 
 
-class FaultPlan(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class FaultPlan(Frozen):
     faults: list[Fault] = []
 
 
@@ -98,6 +104,54 @@ def hit(point: str, rank: int) -> Fault | None:
             log_event("fault_fired", id=fault.id, point=point, rank=rank)
             return fault
     return None
+
+
+# The hooks, one per cut. The sides call them only when ACTIVE; each either does nothing or
+# does the faulty thing itself, so the protocol's own arithmetic never knows about faults. ---
+def post_cut(block: ControlBlock) -> Cut | None:
+    """For `WorkerEnd.begin`: fail before the post, lose it, or post a step too far."""
+    if not ACTIVE:
+        return None
+
+    def cut(rank: int, step: int) -> bool:
+        if (fault := hit("worker.raise_before_post", rank)) is not None:
+            raise RuntimeError(f"injected fault {fault.id}: exception before post")
+        if hit("worker.lost_post", rank) is not None:
+            return True  # ids written, `posted` never stored
+        if hit("worker.skip_post", rank) is not None:
+            block.posted = step + 1
+            return True
+        return False
+
+    return cut
+
+
+def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
+    """For `OffloadEnd.publish`: raise a layer's flag over a stale `published`."""
+    if not ACTIVE:
+        return None
+
+    def cut(layer: int, step: int) -> bool:
+        if hit("offload.repeat_publish", rank) is None:
+            return False
+        block.set_published(layer, step - 1)
+        block.flags[layer][0] = 1
+        return True
+
+    return cut
+
+
+def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
+                  gather: Callable[[int, np.ndarray, np.ndarray], None]) -> None:
+    """Park, take the segment away, or die half way through the gather, as the plan says."""
+    if (fault := hit("offload.park_before_publish", rank)) is not None:
+        time.sleep(fault.arg or 1e9)
+    if hit("offload.truncate_segment", rank) is not None:
+        os.ftruncate(block.segment.fd, 0)  # every mapper faults on its next touch
+    if hit("offload.die_mid_gather", rank) is not None:
+        half = ids.shape[0] // 2
+        gather(0, ids[:half], block.slots[0][:half])
+        os._exit(1)
 
 
 def arm(path: str, faults: list[Fault]) -> None:

@@ -25,18 +25,18 @@ import resource
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from ray_ple.base import Frozen
 from ray_ple.tools.quantity import human
 
 Status = Literal["PASS", "WARN", "FAIL"]
 CAP_IPC_LOCK = 14
 
 
-class DoctorArgs(BaseModel):
+class DoctorArgs(Frozen):
     """What the pod was sized for (`ray_ple.tools.k8s.sizing`); all sizes in bytes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     table_bytes: int = Field(0, ge=0, description="the node's table segment(s)")
     pair_bytes: int = Field(0, ge=0, description="one worker's pair segment")
@@ -52,8 +52,7 @@ class DoctorArgs(BaseModel):
         return self.workers * self.pair_bytes
 
 
-class Check(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class Check(Frozen):
     name: str
     status: Status
     detail: str

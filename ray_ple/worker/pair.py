@@ -6,8 +6,6 @@ so that no address is ever an op argument or a constant a compile cache could ke
 
 from __future__ import annotations
 
-import enum
-import json
 import os
 import threading
 import time
@@ -16,26 +14,23 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ray_ple.testing import faults
 from ray_ple.config import PleDeadlines
-from ray_ple.protocol.doorbell import Doorbell
 from ray_ple.errors import PleHandleError
-from ray_ple.protocol.fatal import Reason, fail_closed
-from ray_ple.protocol.geometry import PleGeometry
-from ray_ple.protocol.handles import PairHandle, validate_pair_handle, validate_segment_header
-from ray_ple.protocol.layout import ControlBlock, State
 from ray_ple.log import log_event
+from ray_ple.protocol.doorbell import Doorbell
+from ray_ple.protocol.fatal import Failure, Reason
+from ray_ple.protocol.geometry import PleGeometry
+from ray_ple.protocol.handles import (
+    EngineHandles,
+    PairHandle,
+    validate_pair_handle,
+    validate_segment_header,
+)
+from ray_ple.protocol.layout import ControlBlock, Side, State
 from ray_ple.protocol.shm import SharedSegment
-from ray_ple.protocol.transaction import WorkerEnd
+from ray_ple.protocol.transaction import Phase, WorkerEnd, stale_heartbeat
+from ray_ple.testing import faults, timing
 from ray_ple.worker.transport import make_transport
-
-PAIRS_ENV = "RAY_PLE_PAIRS"
-
-
-class Mode(enum.Enum):
-    IDLE = "idle"  # no forward: a pull here is a forward without a transaction
-    STEP = "step"  # a posted step is in flight
-    LOCAL = "local"  # dummy / profile / capture forward, satisfied locally
 
 
 class WorkerPair:
@@ -46,8 +41,8 @@ class WorkerPair:
         self.handle, self.segment, self.block = handle, segment, block
         self.worker = WorkerEnd(block, handle.rank, deadlines, handle.layer_names)
         self.transport = make_transport(transport_name, self.worker, handle.slots[0].dtype)
-        self.mode = Mode.IDLE
         self._bell = Doorbell(handle.segment.token)
+        self._post_cut = faults.post_cut(block)
         self._stop = threading.Event()
         self._heartbeat_s = heartbeat_s
         self._beater = threading.Thread(target=self._beat, name="ray-ple-heartbeat", daemon=True)
@@ -67,7 +62,7 @@ class WorkerPair:
         except BaseException:
             segment.close()
             raise
-        block.beat("worker", time.monotonic_ns())
+        block.beat(Side.WORKER, time.monotonic_ns())
         block.worker_pid = os.getpid()
         block.set_state(State.READY)
         pair._beater.start()
@@ -77,55 +72,52 @@ class WorkerPair:
 
     def _beat(self) -> None:
         """Beat, and fail closed here if the offload side stopped beating."""
-        stale_ns = int(self.worker.deadlines.heartbeat_s * 1e9)
         while not self._stop.wait(self._heartbeat_s):
             now = time.monotonic_ns()
-            self.block.beat("worker", now)
-            if self.block.state is State.READY and now - self.block.heartbeat("offload") > stale_ns:
-                fail_closed("worker", Reason.HEARTBEAT, block=self.block, rank=self.worker.rank,
-                            seq=self.worker.step, detail="offload heartbeat stopped")
+            self.block.beat(Side.WORKER, now)
+            if (f := stale_heartbeat(self.block, Side.OFFLOAD, now, self.worker.deadlines)):
+                self.worker.fail(f)
 
     @contextmanager
     def step(self, host_ids: np.ndarray) -> Iterator[int]:
         """One transaction around one real forward; any exception inside is fatal."""
-        s = self.worker.begin(host_ids)
+        w = self.worker
+        s = w.begin(host_ids, self._post_cut)
+        if timing.ENABLED:
+            timing.record("post", time.monotonic_ns())
         self._bell.ring()
-        self.mode = Mode.STEP
         try:
-            if faults.ACTIVE and faults.hit("worker.raise_after_post", self.worker.rank):
+            if faults.ACTIVE and faults.hit("worker.raise_after_post", w.rank):
                 raise RuntimeError("injected fault: exception after post")
             yield s
         except BaseException as exc:  # noqa: BLE001 - abandoned forward: fail closed
-            self.worker.abandon(f"forward of step {s} raised {type(exc).__name__}: {exc}")
-        self.mode = Mode.IDLE
-        if faults.ACTIVE and (f := faults.hit("worker.stall_before_release", self.worker.rank)):
+            w.abandon(f"forward of step {s} raised {type(exc).__name__}: {exc}")
+        if faults.ACTIVE and (f := faults.hit("worker.stall_before_release", w.rank)):
             time.sleep(f.arg or 1e9)
         self.transport.release(s)
-        self.worker.released(s)
-        if faults.ACTIVE and faults.hit("worker.corrupt_released", self.worker.rank):
+        w.end_step(s)
+        if faults.ACTIVE and faults.hit("worker.corrupt_released", w.rank):
             self.block.released = s + 7
 
     @contextmanager
     def local_forward(self) -> Iterator[None]:
         """A forward that must not reach the offload actor (dummy, profile, capture)."""
-        if self.worker.in_flight:
-            self.worker.abandon("local forward while a step is in flight")
-        self.mode = Mode.LOCAL
+        self.worker.begin_local()
         try:
             with self.transport.local_forward():
                 yield
         finally:
-            self.mode = Mode.IDLE
+            self.worker.end_local()
 
     def pull(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
-        if self.mode is Mode.STEP:
+        phase = self.worker.phase
+        if phase is Phase.STEP:
             self.transport.pull(layer, out)
-        elif self.mode is Mode.LOCAL:
+        elif phase is Phase.LOCAL:
             self.transport.satisfy_locally(layer, out)
         else:
-            fail_closed("consumer", Reason.NO_TRANSACTION, block=self.block, rank=self.worker.rank,
-                        layer=self.worker.layer_names[layer], seq=self.worker.step,
-                        detail="model pulled PLE rows outside any forward ray-ple bracketed")
+            self.worker.fail(Failure(Reason.NO_TRANSACTION, "model pulled PLE rows outside any "
+                                     "forward ray-ple bracketed", layer), Side.CONSUMER)
 
     def close(self) -> None:
         self._stop.set()
@@ -152,18 +144,6 @@ def pull(layer_name: str, out) -> None:  # noqa: ANN001 - torch.Tensor
     pair.pull(index, out)
 
 
-def read_pairs_env() -> list[PairHandle]:
-    raw = os.environ.get(PAIRS_ENV)
-    if not raw:
-        raise PleHandleError(
-            f"{PAIRS_ENV} is not set: this engine was configured for PLE offload but started "
-            "without its offload actors (start it through ray_ple, not plain vLLM)")
-    try:
-        return [PairHandle.model_validate(h) for h in json.loads(raw)]
-    except ValueError as exc:
-        raise PleHandleError(f"{PAIRS_ENV} does not hold valid pair handles: {exc}") from exc
-
-
 def attach_process(expected: PleGeometry, *, rank: int, transport: str,
                    deadlines: PleDeadlines, heartbeat_s: float) -> WorkerPair:
     """Attach this process's pair once (idempotent), and register its layers by name."""
@@ -173,7 +153,7 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
             if _PAIR.worker.rank != rank or _PAIR.handle.layer_names != expected.layer_names:
                 raise PleHandleError("this process is already attached to another pair")
             return _PAIR
-        handles = {h.rank: h for h in read_pairs_env()}
+        handles = {h.rank: h for h in EngineHandles.from_env(os.environ).pairs}
         if rank not in handles:
             raise PleHandleError(f"no pair handle for worker rank {rank} (have {sorted(handles)})")
         pair = WorkerPair.attach(handles[rank], expected, rank=rank, transport=transport,

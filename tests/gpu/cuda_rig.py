@@ -29,11 +29,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ray_ple.worker import pair as worker_pair  # noqa: E402 - after the repo joins sys.path
 from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
 from ray_ple.protocol.geometry import LayerGeometry, PleGeometry  # noqa: E402
 from ray_ple.protocol.handles import PairHandle  # noqa: E402
-from ray_ple.offload.table_store import TableSource  # noqa: E402
+from ray_ple.protocol.table_source import TableSource  # noqa: E402
+from ray_ple.worker import pair as worker_pair  # noqa: E402 - after the repo joins sys.path
 from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
 
 LAYER = "model.embed_tokens_per_layer"

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ray_ple.log import log_event
 from ray_ple.tools.k8s.sizing import (
     IngressDemand,
     ModelDemand,
@@ -26,7 +27,6 @@ from ray_ple.tools.k8s.sizing import (
     pod_budget,
 )
 from ray_ple.tools.k8s.spec import ManifestSpec, load_spec
-from ray_ple.log import log_event
 from ray_ple.tools.quantity import gib_up, mib_up
 
 SERVE_PORT = 8000

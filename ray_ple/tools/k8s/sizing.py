@@ -21,24 +21,22 @@ import math
 import mmap
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
+from ray_ple.engine_plan import slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import geometry_from_config
-from ray_ple.tools.k8s.spec import WorkerEstimates
 from ray_ple.protocol.layout import PairLayout
-from ray_ple.engine_plan import slot_tokens
-from ray_ple.tools.quantity import GiB, parse_bytes
 from ray_ple.tiny_model import PRESETS, SCHEME
+from ray_ple.tools.k8s.spec import WorkerEstimates
+from ray_ple.tools.quantity import GiB, parse_bytes
 
 SERVE_DEFAULT_NUM_CPUS = 1.0  # a Serve replica's CPUs when ray_actor_options says none
 
 
-class ModelDemand(BaseModel):
+class ModelDemand(Frozen):
     """One model of the app: one replica's placement group and its host memory."""
 
-    model_config = ConfigDict(frozen=True)
     model_id: str
     model_source: str
     transport: str  # "cpu" | "cuda" | "none" (offload disabled)
@@ -63,16 +61,14 @@ class ModelDemand(BaseModel):
         return sum(b.get("GPU", 0.0) for b in self.bundles)
 
 
-class IngressDemand(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class IngressDemand(Frozen):
     cpus: float
     max_replicas: int
 
 
-class PodBudget(BaseModel):
+class PodBudget(Frozen):
     """One worker group's pod, with the terms it was summed from."""
 
-    model_config = ConfigDict(frozen=True)
     group: str
     model_id: str
     transport: str

@@ -12,23 +12,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ray_ple.base import Frozen
 
 SPEC_PATH = Path("k8s") / "spec" / "clusters.yaml"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HeadSpec(_Strict):
+class HeadSpec(Frozen):
     """The head runs GCS, the dashboard, the Serve controller and the app's build task."""
 
     cpu: str = "2"
     memory: str = "8Gi"
 
 
-class WorkerEstimates(_Strict):
+class WorkerEstimates(Frozen):
     """Per worker pod; what no config can state (see the reasons in `k8s/spec/clusters.yaml`)."""
 
     engine_host_per_worker: str = Field(description="host RSS of the replica, EngineCore and "
@@ -42,14 +40,14 @@ class WorkerEstimates(_Strict):
     system_cores: float = Field(ge=0, description="cores for Ray's own daemons")
 
 
-class WorkerSpec(_Strict):
+class WorkerSpec(Frozen):
     replicas_per_pod: int = Field(1, ge=1, description="LLM replicas one worker pod holds")
     estimates: WorkerEstimates
     tolerations: list[dict[str, Any]] = []
     node_selector: dict[str, str] = {}
 
 
-class ModelsVolume(_Strict):
+class ModelsVolume(Frozen):
     """A read-only volume with the checkpoint: on the head (the build task reads its config)
     and on every worker."""
 
@@ -57,7 +55,7 @@ class ModelsVolume(_Strict):
     mount_path: str
 
 
-class ManifestSpec(_Strict):
+class ManifestSpec(Frozen):
     file: str = Field(description="output, relative to k8s/")
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     serve_config: str = Field(description="relative to the project root")
@@ -72,7 +70,7 @@ class ManifestSpec(_Strict):
     workers: WorkerSpec
 
 
-class ClustersFile(_Strict):
+class ClustersFile(Frozen):
     manifests: list[ManifestSpec] = Field(min_length=1)
 
 

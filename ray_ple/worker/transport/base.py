@@ -1,8 +1,9 @@
 """The transport interface: how the consumer of DESIGN section 4 (steps 3 and 4) moves rows.
 
 The transaction rules (what may be posted, published, released, and when) stay in
-`ray_ple.protocol.transaction`; a transport only waits on a layer's flag, copies its rows and performs
-the release, in the consumer's order (the engine thread on CPU, the model stream on CUDA).
+`ray_ple.protocol.transaction`; a transport only waits on a layer's flag, copies its rows and
+performs the release, in the consumer's order (the engine thread on CPU, the model stream on
+CUDA). It reads the step's phase from its `WorkerEnd` and keeps none of its own.
 A second CUDA transport (UVA zero-copy from the node table) would implement this same class.
 """
 
@@ -13,7 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
-from ray_ple.protocol.fatal import Reason, fail_closed
+from ray_ple.protocol.fatal import Failure, Reason
+from ray_ple.protocol.layout import Side
 
 if TYPE_CHECKING:
     import torch
@@ -31,8 +33,7 @@ class Transport(ABC):
         self.dtype = dtype
 
     def _fail(self, reason: Reason, layer: int, detail: str) -> NoReturn:
-        fail_closed("consumer", reason, block=self.block, rank=self.worker.rank,
-                    seq=self.worker.step, layer=self.worker.layer_names[layer], detail=detail)
+        self.worker.fail(Failure(reason, detail, layer), Side.CONSUMER)
 
     @abstractmethod
     def pull(self, layer: int, out: torch.Tensor) -> None:

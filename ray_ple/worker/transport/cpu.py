@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ray_ple.testing import timing
 from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.layout import State
-from ray_ple.protocol.transaction import wait_word
+from ray_ple.protocol.layout import Side, State
+from ray_ple.protocol.transaction import consumable, wait_until
+from ray_ple.testing import timing
 from ray_ple.worker.transport.base import Transport
 
 if TYPE_CHECKING:
@@ -39,20 +39,16 @@ class CpuTransport(Transport):
         b, w = self.block, self.worker
         flag = b.flags[layer]
         t_enter = time.monotonic_ns() if timing.ENABLED else 0
-        if not wait_word(lambda: int(flag[0]), 1, self.deadlines.step_s,
-                         abort=lambda: b.state is not State.READY):
+        if not wait_until(lambda: int(flag[0]) == 1, self.deadlines.step_s,
+                          abort=lambda: b.state is not State.READY):
             if b.state is not State.READY:
                 self._fail(Reason.PEER_FAILED, layer, f"pair went {b.state.name} mid-step")
             self._fail(Reason.CONSUME_WAIT, layer,
                        f"rows not published in {self.deadlines.step_s}s")
         t_seen = time.monotonic_ns() if timing.ENABLED else 0
-        if b.published(layer) != w.step:
-            self._fail(Reason.INVARIANT, layer,
-                       f"flag up but published={b.published(layer)} for step {w.step}")
         t = out.shape[0]
-        if t != b.token_count:
-            self._fail(Reason.GEOMETRY, layer,
-                       f"forward pulls {t} rows, step posted {b.token_count}")
+        if (f := consumable(b, layer, w.step, t)) is not None:
+            w.fail(f, Side.CONSUMER)
         out.copy_(self._slots[layer][:t])
         if timing.ENABLED:
             timing.record("pull", t, t_enter, t_seen, time.monotonic_ns())

@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError, PleEnvironmentError
-from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF
 from ray_ple.log import log_event
+from ray_ple.protocol.fatal import Reason
+from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF, Side
+from ray_ple.protocol.transaction import Phase, token_rows
 from ray_ple.worker.transport.base import Transport
 from ray_ple.worker.transport.cuda_host import (
     Registration,
@@ -57,10 +59,9 @@ if TYPE_CHECKING:
 COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
 
 
-class CudaOptions(BaseModel):
+class CudaOptions(Frozen):
     """How rows are copied; read from the worker's environment (not part of any graph key)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     copy_mode: Literal["auto", "dma", "sm"] = "auto"
     sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
 
@@ -70,20 +71,18 @@ class CudaOptions(BaseModel):
         return cls.model_validate({k: v for k, v in raw.items() if v is not None})
 
 
-class LayerCopy(BaseModel):
+class LayerCopy(Frozen):
     """One pull as a graph captured it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     layer: int
     rows: int
     nbytes: int
     mode: Literal["dma", "sm"]
 
 
-class CaptureRecord(BaseModel):
+class CaptureRecord(Frozen):
     """What one captured forward will do on every replay."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     rows: int
     copies: tuple[LayerCopy, ...]
     release: bool
@@ -226,10 +225,8 @@ class CudaTransport(Transport):
             self._fail(Reason.STATE, layer, f"step {w.step} is being captured into a graph; "
                        "captures must run as local forwards")
         nbytes = self._geometry(layer, out)
-        t = out.shape[0]
-        if t != self.block.token_count:
-            self._fail(Reason.GEOMETRY, layer,
-                       f"forward pulls {t} rows, step {w.step} posted {self.block.token_count}")
+        if (f := token_rows(self.block, layer, w.step, out.shape[0])) is not None:
+            w.fail(f, Side.CONSUMER)
         rec = self._replayed.get(w.step)
         if self._pulled[layer] == w.step or (rec is not None and layer in rec.layers()):
             self._fail(Reason.INVARIANT, layer, f"rows of step {w.step} pulled twice")
@@ -240,7 +237,7 @@ class CudaTransport(Transport):
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
             return
-        if self._capture is None:
+        if self.worker.phase is not Phase.LOCAL or self._capture is None:
             self._fail(Reason.STATE, layer, "capture outside a local forward")
         nbytes = self._geometry(layer, out)
         if any(c.layer == layer for c in self._capture):
@@ -289,7 +286,7 @@ class CudaTransport(Transport):
     def replayed(self, record: CaptureRecord) -> None:
         """Declare that the graph of `record` serves the step in flight (call before replay)."""
         w = self.worker
-        if not w.in_flight:
+        if w.phase is not Phase.STEP:
             self._fail(Reason.NO_TRANSACTION, 0, "graph replayed outside a posted step")
         if record.rows != self.block.token_count:
             self._fail(Reason.GEOMETRY, record.copies[0].layer if record.copies else 0,

@@ -61,20 +61,6 @@ extern "C" __global__ void ple_release(unsigned char* base, u32 n_flags, u32 fla
     asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(r) : "l"(base + released_off) : "memory");
     *(volatile u64*)(base + released_off) = r + 1ull;
 }
-
-extern "C" __global__ void ple_gather_rows(const uint4* __restrict__ table,
-                                           const int* __restrict__ ids, uint4* __restrict__ out,
-                                           u32 n_ids, u32 row16, u32 rows) {
-    const u64 total = (u64)n_ids * row16;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const u32 t = (u32)(i / row16);
-        const u32 c = (u32)(i - (u64)t * row16);
-        int id = ids[t];
-        if (id < 0 || (u32)id >= rows) id = 0;
-        out[i] = table[(u64)id * row16 + c];
-    }
-}
 """
 
 THREADS = 256
@@ -88,11 +74,11 @@ def _nvrtc():
     return nvrtc
 
 
-def compile_cubin(arch: str) -> bytes:
-    """Compile SOURCE for `arch` (e.g. "sm_90") to a cubin; raise with the NVRTC log."""
+def compile_cubin(arch: str, source: str = SOURCE) -> bytes:
+    """Compile `source` for `arch` (e.g. "sm_90") to a cubin; raise with the NVRTC log."""
     nvrtc = _nvrtc()
     try:
-        err, prog = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"ray_ple_cuda.cu", 0, [], [])
+        err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"ray_ple_cuda.cu", 0, [], [])
     except Exception as exc:
         raise PleEnvironmentError(
             f"NVRTC is not usable in this process ({exc}); the CUDA transport compiles its two "
@@ -133,7 +119,6 @@ class Kernels:
     module: object
     copy_rows: object
     release: object
-    gather_rows: object
     sm_count: int
 
     @classmethod
@@ -148,8 +133,8 @@ class Kernels:
         cubin = compile_cubin(f"sm_{major}{minor}")
         module = check(d.cuModuleLoadData(cubin), "cuModuleLoadData(ray-ple kernels)")
         fn = {name: check(d.cuModuleGetFunction(module, name.encode()), f"get {name}")
-              for name in ("ple_copy_rows", "ple_release", "ple_gather_rows")}
-        return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_gather_rows"], sms)
+              for name in ("ple_copy_rows", "ple_release")}
+        return cls(module, fn["ple_copy_rows"], fn["ple_release"], sms)
 
     def launch_copy(self, src: int, dst: int, nbytes: int, stream: int) -> None:
         """Enqueue the SM copy of `nbytes` (a multiple of 16, both ends 16-byte aligned)."""
@@ -165,14 +150,3 @@ class Kernels:
                     ctypes.c_uint32(flag_stride), ctypes.c_uint32(released_off))
         check(driver().cuLaunchKernel(self.release, 1, 1, 1, 1, 1, 1, 0, stream, p.address, 0),
               "cuLaunchKernel(ple_release)")
-
-    def launch_gather(self, table: int, ids: int, out: int, n_ids: int, row_bytes: int,
-                      rows: int, stream: int) -> None:
-        """UVA zero-copy gather straight from a registered host table (variant B)."""
-        row16 = row_bytes // 16
-        total = n_ids * row16
-        blocks = max(1, min((total + THREADS - 1) // THREADS, self.sm_count * 8))
-        p = _Params(ctypes.c_uint64(table), ctypes.c_uint64(ids), ctypes.c_uint64(out),
-                    ctypes.c_uint32(n_ids), ctypes.c_uint32(row16), ctypes.c_uint32(rows))
-        check(driver().cuLaunchKernel(self.gather_rows, blocks, 1, 1, THREADS, 1, 1, 0, stream,
-                                      p.address, 0), "cuLaunchKernel(ple_gather_rows)")

@@ -18,10 +18,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM, _get_text_config
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError, PleHandleError
-from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
+from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker.vllm_plugin.attach import attach_worker
+from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
 
 _SKIP = "embed_tokens_per_layer."
 

@@ -12,8 +12,8 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
-from ray_ple.worker import pair as worker_pair
 from ray_ple.errors import PleConfigError
+from ray_ple.worker import pair as worker_pair
 
 
 class PleRunnerMixin:
@@ -64,5 +64,3 @@ class PleGPUWorker(Worker):
 
         return _with_ple(GPUModelRunner)(self.vllm_config, self.device)
 
-
-WORKER_CLS = {"cpu": f"{__name__}.PleCPUWorker", "cuda": f"{__name__}.PleGPUWorker"}
