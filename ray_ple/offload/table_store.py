@@ -1,11 +1,18 @@
 """The node's one read-only host copy of each PLE table, shared by every offload actor.
 
-The copy is a `SharedSegment` (nameless tmpfs memory, freed by the kernel with its last
-holder, so a crash cannot leak it). Holders find each other through an abstract Unix socket
-named after the table's fingerprint: the first to bind it loads the table from the
-checkpoint's safetensors (never through a GPU) and then hands the segment's fd to whoever
-connects (SCM_RIGHTS, same user only). Any holder takes the name over when the server goes,
-so the copy stays shareable while anyone holds it.
+The copy is a sealed `SharedSegment` (a nameless memfd, freed by the kernel with its last
+holder, so a crash cannot leak it; written once, then sealed against writes and resizes and
+mapped read-only by every holder). Holders find each other through an abstract Unix socket
+named after the table's fingerprint (`broker_name`): the first to bind it listens at once,
+loads the table from the checkpoint's safetensors (never through a GPU), seals it, and then
+hands the segment's fd to whoever connects (SCM_RIGHTS). Any holder takes the name over when
+the server goes, so the copy stays shareable while anyone holds it.
+
+The name is public and computable, so nothing it leads to is trusted (DESIGN.md section 3):
+a receiver checks the broker's uid (`SO_PEERCRED`) before it reads a byte, then the fd
+(`check_sealed`: owner, type, seals, and the size it computed from the checkpoint, not the
+one written in the segment) before it maps it; a name held by another user is one clear
+`PleEnvironmentError` at setup naming that user, never a hang and never its rows.
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from ray_ple.errors import PleModelError, PleShmError
-from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
+from ray_ple.errors import PleEnvironmentError, PleModelError, PleShmError
 from ray_ple.log import Progress, log_event
-from ray_ple.protocol.shm import PAGE, SharedSegment
+from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
+from ray_ple.protocol.peers import name_holder, peer_cred, require_same_uid
+from ray_ple.protocol.shm import PAGE, SharedSegment, check_sealed, page_align
+from ray_ple.protocol.table_source import TableSource
 
 _HDR = struct.Struct("<QIIQQ32s")  # magic, version, ready, rows, row_bytes, fingerprint
 _MAGIC = 0x31424154454C5052  # "RPLETAB1"
 _CHUNK = 64 << 20
+_REFUSED_S = 0.5  # a holder of ours listens right after it binds: longer refused is not ours
 
 
 class TensorLocation(BaseModel):
@@ -43,15 +53,6 @@ class TensorLocation(BaseModel):
     shape: tuple[int, ...]
     begin: int
     end: int
-
-
-class TableSource(BaseModel):
-    """A table to hold on this node: checkpoint tensor + the geometry the engine expects."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    checkpoint_dir: str
-    tensor_names: tuple[str, ...]
-    layer: LayerGeometry
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
@@ -81,6 +82,22 @@ def locate_tensor(source: TableSource) -> TensorLocation:
                                       end=data_start + end)
     raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
                         f"{list(source.tensor_names)})")
+
+
+def _check_shape(loc: TensorLocation, layer: LayerGeometry) -> None:
+    if loc.shape != (layer.rows, layer.row_elems):
+        raise PleModelError(f"{loc.name} has shape {list(loc.shape)}, the model config says "
+                            f"[{layer.rows}, {layer.row_elems}]")
+
+
+def table_segment_size(layer: LayerGeometry) -> int:
+    """Bytes of the table's segment (header page + rows): what a received fd must hold."""
+    return page_align(PAGE + layer.table_bytes)
+
+
+def broker_name(fp: str) -> bytes:
+    """The broker's abstract socket name; anyone can compute it, hence the uid checks."""
+    return f"\0ray-ple-table-{os.getuid()}-{fp}".encode()
 
 
 def fingerprint(loc: TensorLocation, layer: LayerGeometry) -> str:
@@ -123,9 +140,7 @@ class NodeTable:
             except OSError:
                 return
             with conn:
-                uid = struct.unpack("3i", conn.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
-                if uid != os.getuid():
+                if peer_cred(conn)[1] != os.getuid():
                     continue
                 meta = json.dumps({"fingerprint": self.fingerprint, "size": self.segment.size,
                                    "token": self.segment.token}).encode()
@@ -139,6 +154,7 @@ class NodeTable:
         if self._listener is not None:
             self._listener.close()
         self._thread.join(timeout=2)
+        self.rows = np.empty((0, self.layer.row_bytes), np.uint8)  # our view goes first
         self.segment.close()
 
 
@@ -154,23 +170,39 @@ def _try_bind(name: bytes) -> socket.socket | None:
         raise
 
 
-def _receive(name: bytes, fp: str) -> SharedSegment | None:
+def _receive(name: bytes, fp: str, size: int, deadline: float) -> SharedSegment | None:
+    """The holder's segment, mapped read-only once the broker and the fd pass every check;
+    None while no one serves it yet. Raises ConnectionRefusedError if the name is bound but
+    no one listens (see `acquire_table`)."""
+    what = f"node table {fp[:12]}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        sock.settimeout(5)
-        sock.connect(name)
-        msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-    except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
-        return None
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            sock.connect(name)
+        except (BlockingIOError, TimeoutError):
+            return None
+        pid, uid, _ = peer_cred(sock)
+        require_same_uid(uid, pid, f"{what} broker")  # before a byte of it is read
+        sock.settimeout(max(0.05, deadline - time.monotonic()))  # the holder may be loading
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        except (TimeoutError, ConnectionResetError):
+            return None
     finally:
         sock.close()
     if not fds:
         return None
-    meta = json.loads(msg)
-    if meta["fingerprint"] != fp:
+    try:
+        meta = json.loads(msg)
+        if meta.get("fingerprint") != fp:
+            raise PleModelError(f"{what}: the broker serves table {meta.get('fingerprint')}")
+        check_sealed(fds[0], size, f"{what} served by pid {pid}")
+        return SharedSegment(fds[0], size, str(meta.get("token", "")), owner=False,
+                             writable=False)
+    except BaseException:
         os.close(fds[0])
-        return None
-    return SharedSegment(fds[0], meta["size"], meta["token"], owner=False)
+        raise
 
 
 def _header(seg: SharedSegment) -> tuple[int, int, int, int, int, str]:
@@ -180,9 +212,6 @@ def _header(seg: SharedSegment) -> tuple[int, int, int, int, int, str]:
 
 def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str) -> None:
     src_dtype = safetensors_dtype(loc.dtype)
-    if loc.shape != (layer.rows, layer.row_elems):
-        raise PleModelError(f"{loc.name} has shape {list(loc.shape)}, the model config says "
-                            f"[{layer.rows}, {layer.row_elems}]")
     nbytes = layer.table_bytes
     progress = Progress("table_load", nbytes, tensor=loc.name, fingerprint=fp[:12])
     dst = memoryview(seg.map)[PAGE:PAGE + nbytes]
@@ -209,6 +238,7 @@ def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str
                 src = torch.frombuffer(raw, dtype=getattr(torch, src_dtype)).view(n, -1)
                 out[r:r + n].copy_(src)
                 progress.update((r + n) * layer.row_bytes)
+        del out
     dst.release()
     progress.finish()
 
@@ -216,32 +246,35 @@ def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str
 def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float) -> NodeTable:
     """Hold this node's copy of `source`, loading it if no one on the node has it yet."""
     loc = locate_tensor(source)
+    _check_shape(loc, source.layer)
     fp = fingerprint(loc, source.layer)
-    name = f"\0ray-ple-table-{os.getuid()}-{fp}".encode()
+    name, size = broker_name(fp), table_segment_size(source.layer)
     deadline = time.monotonic() + deadline_s
+    refused_since: float | None = None
     while time.monotonic() < deadline:
         listener = _try_bind(name)
         if listener is not None:
-            try:
-                seg = SharedSegment.create("table", PAGE + source.layer.table_bytes, shm_dir)
-            except PleShmError:
-                listener.close()
-                raise
-            try:
-                _load(seg, loc, source.layer, fp)
-            except BaseException:
-                listener.close()
-                seg.close()
-                raise
-            _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
-                           bytes.fromhex(fp))
-            listener.listen(64)
-            log_event("table_hold", role="loader", fingerprint=fp[:12],
-                      bytes=source.layer.table_bytes)
-            return NodeTable(seg, source.layer, fp, listener, name)
-        seg = _receive(name, fp)
+            listener.listen(64)  # at once: a peer that connects while we load sees our uid
+            return _load_and_serve(listener, name, loc, source, fp, shm_dir)
+        try:
+            seg = _receive(name, fp, size, deadline)
+        except ConnectionRefusedError:
+            now = time.monotonic()
+            refused_since = refused_since if refused_since is not None else now
+            if now - refused_since >= _REFUSED_S:
+                pid, uid = name_holder(name)
+                seen_long = now - refused_since >= 4 * _REFUSED_S
+                if uid != os.getuid() and (uid is not None or seen_long):
+                    who = (f"pid {pid} of uid {uid}" if uid is not None
+                           else "a process this user cannot see (another user's)")
+                    raise PleEnvironmentError(
+                        f"node table {fp[:12]}: its broker name is taken by {who}, which does "
+                        f"not serve it; refusing to wait") from None
+            time.sleep(0.05)
+            continue
+        refused_since = None
         if seg is None:
-            time.sleep(0.05)  # the holder is still loading, or just went away
+            time.sleep(0.05)  # the holder just went away
             continue
         magic, _, ready, rows, row_bytes, got_fp = _header(seg)
         if (magic, ready, rows, row_bytes, got_fp) != (_MAGIC, 1, source.layer.rows,
@@ -252,3 +285,25 @@ def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float) -> No
                   bytes=source.layer.table_bytes)
         return NodeTable(seg, source.layer, fp, None, name)
     raise PleModelError(f"table {fp[:12]} not available within {deadline_s}s")
+
+
+def _load_and_serve(listener: socket.socket, name: bytes, loc: TensorLocation,
+                    source: TableSource, fp: str, shm_dir: str) -> NodeTable:
+    """Load the table into a new sealed segment, then serve it on `listener` (already ours)."""
+    try:
+        seg = SharedSegment.create("table", PAGE + source.layer.table_bytes, shm_dir,
+                                   sealable=True)
+    except PleShmError:
+        listener.close()
+        raise
+    try:
+        _load(seg, loc, source.layer, fp)
+        _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
+                       bytes.fromhex(fp))
+        seg.seal()
+    except BaseException:
+        listener.close()
+        seg.close()
+        raise
+    log_event("table_hold", role="loader", fingerprint=fp[:12], bytes=source.layer.table_bytes)
+    return NodeTable(seg, source.layer, fp, listener, name)

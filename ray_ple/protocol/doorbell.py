@@ -2,14 +2,21 @@
 
 The counters in the control block are the truth; a ring carries no data, a lost ring only
 delays the offload actor until its next poll, and a spurious one is ignored.
+
+Same user only (`ray_ple.protocol.peers`): the listener binds its name itself at setup (taken
+by anyone else: one clear error naming the holder) and the kernel stamps every datagram with
+its sender's credentials (`SO_PASSCRED`), so a ring from another uid is dropped unseen. The
+ringing side needs no check: a ring carries nothing, and the name is ours for as long as the
+listener lives.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
-from ray_ple.testing import timing
+from ray_ple.protocol.peers import CRED_SPACE, bind_own, datagram_uid
 
 
 def bell_address(token: str) -> bytes:
@@ -18,22 +25,33 @@ def bell_address(token: str) -> bytes:
 
 class DoorbellListener:
     def __init__(self, token: str) -> None:
+        self._uid = os.getuid()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        self._sock.bind(bell_address(token))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        bind_own(self._sock, bell_address(token), "the offload actor's doorbell")
+
+    def _ours(self) -> bool:
+        """Take one datagram; True if our own user sent it (no credentials: not ours)."""
+        _, ancdata, _, _ = self._sock.recvmsg(16, CRED_SPACE)
+        return datagram_uid(ancdata) == self._uid
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until a ring or the timeout; drain queued rings. True if rung."""
-        self._sock.settimeout(timeout_s)
-        try:
-            self._sock.recv(16)
-        except TimeoutError:
-            return False
-        if timing.ENABLED:
-            timing.record("wake", time.monotonic_ns())
+        """Block until a ring of our user or the timeout; drain queued rings. True if rung."""
+        deadline = time.monotonic() + timeout_s
+        rung = False
+        while not rung:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._sock.settimeout(left)
+            try:
+                rung = self._ours()
+            except TimeoutError:
+                return False
         self._sock.setblocking(False)
         try:
             while True:
-                self._sock.recv(16)
+                self._ours()
         except BlockingIOError:
             pass
         return True
@@ -49,8 +67,6 @@ class Doorbell:
         self._sock.setblocking(False)
 
     def ring(self) -> None:
-        if timing.ENABLED:
-            timing.record("post", time.monotonic_ns())
         try:
             self._sock.sendto(b"!", self._addr)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):

@@ -1,27 +1,40 @@
 """Shared-memory segments that leave nothing behind.
 
-A segment is a tmpfs file (so the size of `/dev/shm` is checked and reserved up front with
-`posix_fallocate`: a full tmpfs is one clear error at setup, never a SIGBUS later) that is
-unlinked microseconds after creation. From then on it has no name: a peer opens it through
-`/proc/<creator pid>/fd/<fd>` (same user, checked by the kernel) and the kernel frees the
-memory with its last holder, whatever kills whom. The header's random token makes a
-reused fd number or a guessed pid useless.
+A pair segment is a tmpfs file created without a name (`O_TMPFILE` in `shm_dir`; where that is
+unsupported, a named file unlinked right after `open`, before anything else, and swept by
+`sweep_orphans` if its creator died in between), mode 0600. Its size is reserved up front with
+`posix_fallocate` against `shm_dir`'s tmpfs: a full tmpfs is one clear error at setup, never a
+SIGBUS later. A peer opens it through `/proc/<creator pid>/fd/<fd>` (same user, checked by the
+kernel) and the kernel frees the memory with its last holder, whatever kills whom. The header's
+random token makes a reused fd number or a guessed pid useless.
+
+The node table is a sealed segment: a memfd (`MFD_ALLOW_SEALING`; tmpfs files cannot be
+sealed), written once, then sealed against writes, resizes and further seals and mapped
+read-only by every holder; a receiver refuses an fd that is not such a segment of its own
+user and of the size it computed itself (`check_sealed`). Its memory is shmem like
+`/dev/shm`'s (it shows in `Shmem` and in the cgroup's memory) but is not charged to the
+`shm_dir` tmpfs, so `shm_dir`'s free space is still checked first: the sizing that makes room
+for the table in `/dev/shm` stays the one budget, and a node short of it gets the same clear
+error as before.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ray_ple.errors import PleHandleError, PleShmError
+from ray_ple.errors import PleEnvironmentError, PleHandleError, PleShmError
 
 PAGE = mmap.PAGESIZE
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _NAME = re.compile(r"^ray-ple-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{32}$")
 
 
@@ -74,17 +87,61 @@ def shmem_bytes() -> int:
     raise RuntimeError("no Shmem in /proc/meminfo")
 
 
-class SharedSegment:
-    """A mapped segment, either created here or attached from a peer's `SegmentRef`."""
+def _open_nameless(kind: str, token: str, shm_dir: str) -> int:
+    """An fd of a new 0600 tmpfs file in `shm_dir` that has no name (or has one for the
+    microseconds between open and unlink, where `O_TMPFILE` is unsupported)."""
+    try:
+        return os.open(shm_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise PleShmError(f"cannot create a segment in {shm_dir}: {exc}") from exc
+    path = Path(shm_dir) / f"ray-ple-{kind}-{os.getpid()}-{token}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PleShmError(f"cannot create a segment in {shm_dir}: {exc}") from exc
+    path.unlink(missing_ok=True)
+    return fd
 
-    def __init__(self, fd: int, size: int, token: str, owner: bool) -> None:
+
+def check_sealed(fd: int, size: int, what: str) -> None:
+    """Refuse an fd handed over by a peer unless it is a sealed segment of this user of exactly
+    `size` bytes (a size the receiver computed itself, never one the peer wrote)."""
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        raise PleEnvironmentError(f"{what}: the fd belongs to uid {st.st_uid}, not this user "
+                                  f"(uid {os.getuid()})")
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+        raise PleShmError(f"{what}: the fd is not a private shared-memory file "
+                          f"(mode {oct(st.st_mode)})")
+    if st.st_size != size:
+        raise PleShmError(f"{what}: the fd holds {st.st_size} bytes, the table needs {size}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise PleShmError(f"{what}: the fd is not a sealable memfd ({exc.strerror})") from exc
+    if seals & SEALS != SEALS:
+        raise PleShmError(f"{what}: the fd is not sealed against writes and resizes "
+                          f"(seals {seals:#x}, need {SEALS:#x})")
+
+
+class SharedSegment:
+    """A mapped segment, either created here or attached from a peer's `SegmentRef`;
+    `writable=False` maps it read-only (the node table, sealed)."""
+
+    def __init__(self, fd: int, size: int, token: str, owner: bool,
+                 writable: bool = True) -> None:
         self.fd, self.size, self.token, self.owner = fd, size, token, owner
         self.inode = os.fstat(fd).st_ino
-        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
 
     @classmethod
-    def create(cls, kind: str, size: int, shm_dir: str = "/dev/shm") -> SharedSegment:
-        """Create, reserve and unlink a segment of `size` bytes; one clear error if it can't."""
+    def create(cls, kind: str, size: int, shm_dir: str = "/dev/shm", *,
+               sealable: bool = False) -> SharedSegment:
+        """Create and reserve a nameless segment of `size` bytes; one clear error if it can't.
+        `sealable`: a memfd that `seal()` can later freeze (see the module docstring)."""
         size = page_align(size)
         if not os.path.isdir(shm_dir):
             raise PleShmError(f"shared-memory directory {shm_dir} does not exist")
@@ -95,24 +152,25 @@ class SharedSegment:
                 f"{avail} free (size /dev/shm for slots + table + object store)"
             )
         token = secrets.token_hex(16)
-        path = Path(shm_dir) / f"ray-ple-{kind}-{os.getpid()}-{token}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise PleShmError(f"cannot create a segment in {shm_dir}: {exc}") from exc
+        if sealable:
+            try:
+                fd = os.memfd_create(f"ray-ple-{kind}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.fchmod(fd, 0o600)
+            except OSError as exc:
+                raise PleShmError(f"cannot create a sealable {kind} segment: {exc}") from exc
+        else:
+            fd = _open_nameless(kind, token, shm_dir)
+        where = "shared memory (memfd)" if sealable else shm_dir
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             os.close(fd)
-            path.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise PleShmError(
-                    f"{shm_dir} too small for the ray-ple {kind} segment: could not reserve "
+                    f"{where} too small for the ray-ple {kind} segment: could not reserve "
                     f"{size} bytes ({exc.strerror})"
                 ) from exc
-            raise PleShmError(f"cannot reserve {size} bytes in {shm_dir}: {exc}") from exc
-        finally:
-            path.unlink(missing_ok=True)
+            raise PleShmError(f"cannot reserve {size} bytes in {where}: {exc}") from exc
         return cls(fd, size, token, owner=True)
 
     @classmethod
@@ -120,12 +178,24 @@ class SharedSegment:
         """Open and map a peer's segment (see `open_segment`)."""
         return cls(open_segment(ref), ref.size, ref.token, owner=False)
 
+    def seal(self) -> None:
+        """Freeze a `sealable` segment once written: no write, resize or new seal by anyone
+        from now on; this holder keeps a read-only mapping. Every view of the writable mapping
+        must be gone (the kernel refuses the write seal while a writable mapping exists)."""
+        self.map.close()
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+        except OSError as exc:
+            raise PleShmError(f"cannot seal the segment: {exc}") from exc
+        self.writable = False
+        self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+
     def ref(self) -> SegmentRef:
         return SegmentRef(pid=os.getpid(), fd=self.fd, inode=self.inode, size=self.size,
                           token=self.token)
 
     def address(self) -> int:
-        """Host address of the mapping (this process only)."""
+        """Host address of a writable mapping (this process only)."""
         import ctypes
 
         return ctypes.addressof(ctypes.c_char.from_buffer(self.map))
@@ -142,7 +212,7 @@ class SharedSegment:
 
 
 def sweep_orphans(shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove named segments whose creator died inside the create-to-unlink window."""
+    """Remove named segments whose creator died between open and unlink (no `O_TMPFILE`)."""
     removed = []
     try:
         names = os.listdir(shm_dir)
