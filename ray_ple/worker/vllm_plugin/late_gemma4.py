@@ -1,0 +1,213 @@
+"""Gemma 4 (text) with late waits: each layer gets its PLE rows just before it consumes them.
+
+vLLM 0.32's `Gemma4Model.forward` builds every layer's per-layer input before the layer loop
+(`get_per_layer_inputs`, then `project_per_layer_inputs`: `(norm(proj) + ple * es) * s`), so
+an offloaded lookup must be complete before layer 0. Yet layer l reads its 256-wide slice
+only at its end (the PLE gate, after attention and MLP). This model runs the projection up
+front, unchanged, and moves the combine of layer l to layer l's gate:
+
+    projection = norm(proj(embeds))                        # [T, L, d], vLLM's own method
+    layer l:   attention, MLP (vLLM's code)                # the offload side gathers meanwhile
+               rows_l = rows_for_layer(l)                  # the wait for l's part, if first
+               c_l = (projection[:, l] + rows_l * es) * s  # vLLM's ops, order, dtypes, buffers
+               PLE gate with c_l, layer scalar (vLLM's code)
+
+`rows_for_layer(l)` pulls the part that holds layer l the first time one of its layers asks,
+then slices it. Today a step has one part, the whole row (`ray_ple::pull`, one flag): the
+wait moves from before layer 0 to layer 0's gate, and nothing in the protocol changes. A
+per-part pull op (`ray_ple::pull_part(Tensor(a!) out, str layer_name, int part)`, one flag
+per part, a layer-major slot) replaces `_pull_part` without touching anything else here.
+
+Arithmetic: the combine is elementwise, so computing it per layer slice gives each element
+the same operations in the same order on the same dtypes (bf16 rows times the model's own
+`embed_scale_per_layer` buffer, plus the normed projection, times its own bf16-rounded
+`per_layer_input_scale` buffer); ids outside `vocab_size_per_layer_input` map to row 0 on
+the offload side (its gather), as vLLM's `torch.where` does. Refused: kv-sharing fast
+prefill (YOCO's split forward computes every layer's input inside the self-decoder and
+copies it for the cross-decoder) and any vLLM whose decoder-layer forward differs from the
+one this module mirrors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import islice
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models import gemma4 as vllm_gemma4
+from vllm.model_executor.models.gemma4 import Gemma4DecoderLayer, Gemma4Model
+
+from ray_ple.errors import PleConfigError, PleModelError
+from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
+
+# sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_late_layer_forward` and
+# `LateGemma4Model.forward` mirror; any other source is refused rather than guessed at
+_MIRRORED = {"Gemma4DecoderLayer.forward": "7cd0b990b419b392",
+             "Gemma4Model.forward": "4462a1c4d8732679"}
+
+
+def _fingerprint(fn: Callable[..., object]) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def check_mirrored_sources() -> None:
+    """Fail at construction if vLLM's Gemma 4 forward is not the one mirrored here."""
+    for name, fn in (("Gemma4DecoderLayer.forward", Gemma4DecoderLayer.forward),
+                     ("Gemma4Model.forward", Gemma4Model.forward)):
+        if _fingerprint(fn) != _MIRRORED[name]:
+            raise PleModelError(f"vLLM's {name} differs from the one ray-ple's late waits "
+                                "mirror (vLLM 0.32.0); use the early pull with this vLLM")
+
+
+def whole_row_parts(num_layers: int) -> tuple[range, ...]:
+    """Today's slot: one part holding every layer (one pull, one flag)."""
+    return (range(num_layers),)
+
+
+def _late_layer_forward(layer: Gemma4DecoderLayer, positions: torch.Tensor,
+                        hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                        per_layer_input: Callable[[], torch.Tensor] | None,
+                        **kwargs: object) -> tuple[torch.Tensor, None]:
+    """vLLM 0.32's `Gemma4DecoderLayer.forward`, its per-layer input asked for at the gate."""
+    residual = hidden_states
+    hidden_states = layer.input_layernorm(residual)
+    hidden_states = layer.self_attn(positions=positions, hidden_states=hidden_states, **kwargs)
+    hidden_states = layer.post_attention_layernorm(hidden_states)
+    hidden_states = hidden_states + residual
+    residual = hidden_states
+
+    hidden_states = layer.pre_feedforward_layernorm(hidden_states)
+    hidden_states = layer.mlp(hidden_states)
+
+    if layer.enable_moe_block:
+        hidden_states_1 = layer.post_feedforward_layernorm_1(hidden_states)
+        hidden_states_2 = layer.pre_feedforward_layernorm_2(residual)
+        router_logits = layer.router(residual)
+        hidden_states_2 = layer.experts(hidden_states_2, router_logits)
+        hidden_states_2 = layer.post_feedforward_layernorm_2(hidden_states_2)
+        hidden_states = hidden_states_1 + hidden_states_2
+
+    hidden_states = layer.post_feedforward_layernorm(hidden_states)
+    hidden_states = hidden_states + residual
+
+    if per_layer_input is not None and layer.per_layer_input_gate is not None:
+        gate = layer.per_layer_input_gate(hidden_states)
+        gate = torch.nn.functional.gelu(gate, approximate="tanh")
+        gated_per_layer = gate * per_layer_input()  # the late wait: layer l's rows, here
+        per_layer_contribution = layer.per_layer_projection(gated_per_layer)
+        per_layer_contribution = layer.post_per_layer_input_norm(per_layer_contribution)
+        hidden_states = hidden_states + per_layer_contribution
+
+    hidden_states = hidden_states * layer.layer_scalar
+    return hidden_states, None
+
+
+class LateGemma4Model(Gemma4Model):
+    """`Gemma4Model` whose layer loop pulls and combines each layer's PLE rows late.
+
+    A subclass of the compiled class: `@support_torch_compile` traces this `forward` (same
+    signature, so the same dynamic dims); the pull op sits inside the traced graph, as
+    today's does.
+    """
+
+    late_parts: tuple[range, ...] = ()
+    late_part_of: tuple[int, ...] = ()  # layer -> its part (trace-time constants)
+
+    def set_parts(self, parts: tuple[range, ...]) -> None:
+        """Layer groups, in order, covering every layer once (from the engine's geometry)."""
+        if [i for r in parts for i in r] != list(range(self.config.num_hidden_layers)):
+            raise PleConfigError(f"PLE parts {parts} do not cover the "
+                                 f"{self.config.num_hidden_layers} layers in order")
+        self.late_parts = parts
+        self.late_part_of = tuple(p for p, r in enumerate(parts) for _ in r)
+
+    def _pull_part(self, part: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """`T x (len(part) * d)` raw rows of one part. Today: the whole row (one part)."""
+        if len(self.late_parts) != 1:
+            raise PleConfigError("the per-part pull op is not there yet: one part only")
+        return self.embed_tokens_per_layer(input_ids)
+
+    def rows_for_layer(self, layer_idx: int, input_ids: torch.Tensor,
+                       pulled: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Layer `layer_idx`'s `T x d` raw rows; its part is pulled on the first ask."""
+        part = self.late_part_of[layer_idx]
+        if part not in pulled:
+            pulled[part] = self._pull_part(part, input_ids)
+        d = self.hidden_size_per_layer_input
+        k = layer_idx - self.late_parts[part].start
+        return pulled[part][:, k * d:(k + 1) * d]
+
+    def combine(self, layer_idx: int, projection: torch.Tensor, input_ids: torch.Tensor,
+                pulled: dict[int, torch.Tensor]) -> torch.Tensor:
+        """vLLM's `(projection + ple * embed_scale) * input_scale`, one layer's slice."""
+        rows = self.rows_for_layer(layer_idx, input_ids, pulled)
+        ple = rows * self.self_decoder.embed_scale_per_layer
+        return (projection[:, layer_idx, :] + ple) * self.self_decoder.per_layer_input_scale
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: object | None,
+        inputs_embeds: torch.Tensor | None = None,
+        per_layer_inputs: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            # no ids to pull for (prompt embeds) or not the first PP rank: vLLM's own path
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                   per_layer_inputs, **kwargs)
+        hidden_states = self.embed_input_ids(input_ids)
+        projection = self.project_per_layer_inputs(hidden_states, None)
+        pulled: dict[int, torch.Tensor] = {}
+        residual = None
+        aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)
+        for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer)):
+            layer_idx = self.start_layer + idx
+
+            def per_layer_input(layer_idx: int = layer_idx) -> torch.Tensor:
+                return self.combine(layer_idx, projection, input_ids, pulled)
+
+            hidden_states, residual = _late_layer_forward(
+                layer, positions, hidden_states, residual,
+                per_layer_input if projection is not None else None, **kwargs)
+            self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
+        if residual is None:
+            hidden_states = self.norm(hidden_states)
+        else:
+            hidden_states, _ = self.norm(hidden_states, residual)
+        if len(aux_hidden_states) > 0:
+            return hidden_states, aux_hidden_states
+        return hidden_states
+
+
+@contextmanager
+def _model_class(cls: type[Gemma4Model]) -> Iterator[None]:
+    """Let `Gemma4ForCausalLM.__init__` build `cls` as its `self.model` (construction only)."""
+    saved = vllm_gemma4.Gemma4Model
+    vllm_gemma4.Gemma4Model = cls
+    try:
+        yield
+    finally:
+        vllm_gemma4.Gemma4Model = saved
+
+
+class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
+    """`RayPleGemma4ForCausalLM` with the late waits of `LateGemma4Model`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        check_mirrored_sources()
+        if vllm_config.cache_config.kv_sharing_fast_prefill:
+            raise PleConfigError(
+                "kv_sharing_fast_prefill is not supported with ray-ple's late waits: YOCO's "
+                "split forward builds every layer's PLE input before the self-decoder runs")
+        with _model_class(LateGemma4Model):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        model = self.model
+        if not isinstance(model, LateGemma4Model):
+            raise PleModelError(f"expected LateGemma4Model, vLLM built {type(model).__name__}")
+        model.set_parts(whole_row_parts(model.config.num_hidden_layers))
