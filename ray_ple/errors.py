@@ -10,8 +10,8 @@ class PleError(Exception):
     """A clear, user-facing setup error (config, handle, geometry, environment)."""
 
 
-class PleConfigError(PleError):
-    """The `ple:` block or the engine settings it depends on are invalid."""
+class PleConfigError(PleError, ValueError):
+    """The `ple:` block or the engine settings it depends on are invalid (a bad value)."""
 
 
 class PleModelError(PleError):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
+from ray_ple.errors import PleEnvironmentError
+
 
 def hide_cuda() -> None:
     """Make a CUDA context impossible in this process: no device is visible to it."""
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        raise RuntimeError("CUDA was initialised before ray-ple could hide the GPUs")
+        raise PleEnvironmentError("CUDA was initialised in this process before ray-ple could "
+                                  "hide the GPUs: an offload actor must never hold a context")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["NVIDIA_VISIBLE_DEVICES"] = "void"
 

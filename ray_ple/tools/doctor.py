@@ -28,6 +28,7 @@ from typing import Literal
 from pydantic import Field
 
 from ray_ple.base import Frozen
+from ray_ple.errors import PleEnvironmentError
 from ray_ple.tools.quantity import human
 
 Status = Literal["PASS", "WARN", "FAIL"]
@@ -200,7 +201,7 @@ def _mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    raise PleEnvironmentError("no MemAvailable in /proc/meminfo")
 
 
 def check_host_memory(args: DoctorArgs) -> Check:

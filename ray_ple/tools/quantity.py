@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import re
 
+from ray_ple.errors import PleConfigError
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _SUFFIX = {"": 1, "Ki": KiB, "Mi": MiB, "Gi": GiB, "Ti": 1 << 40, "k": 10**3, "K": 10**3,
            "M": 10**6, "G": 10**9, "T": 10**12, "m": 1e-3}
@@ -21,7 +23,7 @@ def parse_quantity(value: str | float) -> float:
         return float(value)
     m = _QUANTITY.match(value)
     if m is None or m["suffix"] not in _SUFFIX:
-        raise ValueError(f"not a quantity: {value!r} (e.g. 4, 500m, 176Mi, 5Gi)")
+        raise PleConfigError(f"not a quantity: {value!r} (e.g. 4, 500m, 176Mi, 5Gi)")
     return float(m["num"]) * _SUFFIX[m["suffix"]]
 
 

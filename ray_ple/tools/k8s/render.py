@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
 from ray_ple.tools.k8s.sizing import (
     IngressDemand,
@@ -187,7 +188,7 @@ def size_manifest(root: Path, spec: ManifestSpec
     serve_config = yaml.safe_load((root / spec.serve_config).read_text())
     apps = serve_config.get("applications") or []
     if len(apps) != 1:
-        raise ValueError(f"{spec.serve_config}: one application per manifest, got {len(apps)}")
+        raise PleConfigError(f"{spec.serve_config}: one application per manifest, got {len(apps)}")
     ingress = ingress_demand(apps[0])
     sized = []
     for demand in model_demands(apps[0], spec.checkpoint_configs):

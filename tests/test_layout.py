@@ -1,0 +1,125 @@
+"""The package's layout holds: imports run one way, and light entry points stay light.
+
+Layers, lowest first; a module may import its own layer and the ones below, never above:
+
+    base      ray_ple.{base, errors, log, config, tiny_model}
+    protocol  ray_ple.protocol.*          (imports nothing of ray_ple but base)
+    testing   ray_ple.testing.*           (fault hooks and timestamps the sides call)
+    sides     ray_ple.offload.*, ray_ple.worker.*   (never each other)
+    plan      ray_ple.supervision.*, ray_ple.engine_plan
+    entry     ray_ple.serve.*, ray_ple.offline
+    tools     ray_ple.tools.*             (may import anything, lazily where it matters)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "ray_ple"
+LAYERS = ["base", "protocol", "testing", "sides", "plan", "entry", "tools"]
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(rank, room) of a ray_ple module; the room tells the two sides apart."""
+    parts = module.split(".")
+    head = parts[1] if len(parts) > 1 else ""
+    room = {"testing": "testing", "protocol": "protocol", "offload": "offload",
+            "worker": "worker", "supervision": "supervision", "engine_plan": "supervision",
+            "serve": "serve", "offline": "serve", "tools": "tools"}.get(head, "base")
+    name = {"offload": "sides", "worker": "sides", "supervision": "plan", "serve": "entry",
+            }.get(room, room)
+    return LAYERS.index(name), room
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def ray_ple_imports(path: Path) -> list[tuple[str, int]]:
+    """Every `ray_ple` module this file imports (top level, in functions, under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names if a.name.startswith("ray_ple")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("ray_ple"):
+                for a in node.names:  # `from ray_ple.testing import faults` imports a module
+                    sub = f"{node.module}.{a.name}"
+                    is_mod = (PKG.parent / sub.replace(".", "/")).with_suffix(".py").exists() \
+                        or (PKG.parent / sub.replace(".", "/")).is_dir()
+                    out.append((sub if is_mod else node.module, node.lineno))
+    return out
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        me = module_name(path)
+        my_rank, my_room = layer_of(me)
+        for target, line in ray_ple_imports(path):
+            rank, room = layer_of(target)
+            if rank > my_rank:
+                bad.append(f"{me}:{line} ({LAYERS[my_rank]}) imports {target} ({LAYERS[rank]})")
+            elif rank == my_rank and LAYERS[rank] == "sides" and room != my_room:
+                bad.append(f"{me}:{line} ({my_room} side) imports {target} ({room} side)")
+    return bad
+
+
+def test_imports_run_one_way():
+    bad = violations()
+    print(f"{sum(1 for _ in PKG.rglob('*.py'))} modules checked, {len(bad)} upward imports")
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself can fail: a protocol module that imports a side is reported."""
+    fake = PKG / "protocol" / "_layout_probe.py"
+    fake.write_text("from ray_ple.offload.actor import OffloadActor  # noqa: F401\n")
+    try:
+        assert any("_layout_probe" in v and "offload.actor" in v for v in violations())
+    finally:
+        fake.unlink()
+
+
+def test_top_level_stays_small():
+    modules = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(modules) <= 10, modules
+
+
+LIGHT = """
+import sys
+import {module}
+heavy = sorted(m for m in sys.modules if m in FORBIDDEN or m.split('.')[0] == 'vllm')
+print(heavy)
+assert heavy == [], heavy
+"""
+FORBIDDEN = ("ray_ple.protocol.transaction", "ray_ple.offload.actor", "ray_ple.worker.pair",
+             "ray_ple.supervision.supervisor", "ray_ple.protocol.doorbell", "ray_ple.offload.gather")
+
+
+@pytest.mark.parametrize("module", ["ray_ple.tools.k8s.sizing", "ray_ple.tools.cli",
+                                    "ray_ple.serve.builder", "ray_ple.engine_plan"])
+def test_light_modules_load_no_protocol_core_and_no_vllm(module):
+    code = f"FORBIDDEN = {FORBIDDEN!r}\n" + LIGHT.format(module=module)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_worker_cls_names_exist():
+    """The engine plan names vLLM's worker classes by string; each must resolve."""
+    from ray_ple.engine_plan import WORKER_CLS
+
+    for dotted in WORKER_CLS.values():
+        module, _, name = dotted.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), name), type)
