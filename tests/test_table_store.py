@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import time
 
-from ray_ple.protocol.shm import shmem_bytes
+from ray_ple.protocol.shm import SharedSegment, shmem_bytes
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, write_checkpoint
 
 ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo
 
 
-def _table_inode(pid: int) -> set[int]:
-    """Inodes of the big shared mappings a process holds (the table is the biggest)."""
-    inodes = set()
+def _table_maps(pid: int) -> set[tuple[int, str]]:
+    """(inode, permissions) of the big shared mappings a process holds (the table's)."""
+    found = set()
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split()
             start, end = (int(x, 16) for x in parts[0].split("-"))
             if end - start >= ROWS * LAYERS * DIM * 2 and parts[4] != "0":
-                inodes.add(int(parts[4]))
-    return inodes
+                found.add((int(parts[4]), parts[1]))
+    return found
+
+
+def _table_inode(pid: int) -> set[int]:
+    maps = _table_maps(pid)
+    assert {perms for _, perms in maps} == {"r--s"}, "every holder maps the table read-only"
+    return {inode for inode, _ in maps}
 
 
 def _wait_shmem(target: int, tol: int, timeout: float = 10.0) -> int:
@@ -58,3 +66,29 @@ def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
         proc.join(10)
     assert _wait_shmem(base, 0.1 * table) - base < 0.1 * table, "freed with its last holder"
     assert ple_shm_entries() == []
+
+
+def test_a_kill_while_a_segment_is_reserved_leaves_nothing():
+    """The segment never has a name, even while its memory is being reserved (fallocate)."""
+    size = 1 << 30  # about a second of posix_fallocate here: the kill lands inside it
+    base = shmem_bytes()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, b"s")
+            SharedSegment.create("pair", size)
+            os.write(w, b"d")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"s"
+    time.sleep(0.2)
+    still_reserving = not select.select([r], [], [], 0)[0]
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert still_reserving, "the kill came after the reservation: the row proves nothing"
+    assert ple_shm_entries() == []
+    assert _wait_shmem(base, 64 << 20) - base < 64 << 20, "the memory went with its holder"
