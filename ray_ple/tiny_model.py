@@ -3,6 +3,7 @@
 No model can be downloaded here, so ray-ple builds one: a deterministic seed, an offline
 word-level tokenizer with a chat template, saved as safetensors under the ray-ple cache and
 reused afterwards. Two shapes: `tiny` (tests, the default app) and `small` (benchmarks).
+A tiny text Gemma 3n (AltUp, Laurel, KV-shared layers) sits beside it for the 3n tests.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
 SCHEME = "ray-ple://"
@@ -37,16 +40,54 @@ class TinySpec(BaseModel):
     sliding_window: int = 16
     max_position_embeddings: int = 512
     seed: int = 0
+    multimodal: bool = Field(False, description="saved as Gemma4ForConditionalGeneration")
 
 
-PRESETS: dict[str, TinySpec] = {
+class TinyGemma3nSpec(BaseModel):
+    """Shape of a locally built text Gemma 3n: the last `num_kv_shared_layers` reuse KV."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    family: Literal["gemma3n"] = "gemma3n"
+    vocab_size: int = 256
+    vocab_size_per_layer_input: int = 192
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = Field(32, description="32 or 64")
+    hidden_size_per_layer_input: int = 16
+    sliding_window: int = 16
+    max_position_embeddings: int = 512
+    altup_num_inputs: int = 4
+    num_kv_shared_layers: int = 2
+    laurel_rank: int = 8
+    seed: int = 0
+    multimodal: bool = Field(False, description="saved as Gemma3nForConditionalGeneration")
+
+
+AnySpec = TinySpec | TinyGemma3nSpec
+
+PRESETS: dict[str, AnySpec] = {
     "tiny-gemma4": TinySpec(),
     "tiny-gemma4-ple192": TinySpec(vocab_size_per_layer_input=192),
     "small-gemma4": TinySpec(vocab_size=8192, vocab_size_per_layer_input=8192, hidden_size=512,
                              intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                              num_key_value_heads=2, head_dim=64, hidden_size_per_layer_input=64,
                              sliding_window=64, max_position_embeddings=2048),
+    # ids 192..255 are outside the per-layer vocabulary: mapped to row 0, as vLLM does
+    "tiny-gemma3n": TinyGemma3nSpec(),
+    # the same weights as released multimodal checkpoints lay them out (towers' configs at
+    # their defaults, no tower weights): what ray-ple serves as text, refusing images
+    "tiny-gemma3n-mm": TinyGemma3nSpec(multimodal=True),
+    "tiny-gemma4-mm": TinySpec(multimodal=True),
 }
+
+
+def architecture(spec: AnySpec) -> str:
+    """The `architectures[0]` the built checkpoint declares."""
+    family = "Gemma3n" if isinstance(spec, TinyGemma3nSpec) else "Gemma4"
+    return family + ("ForConditionalGeneration" if spec.multimodal else "ForCausalLM")
 
 
 def cache_root() -> Path:
@@ -55,9 +96,10 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def model_dir(spec: TinySpec) -> Path:
+def model_dir(spec: AnySpec) -> Path:
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, spec.model_dump()]).encode()).hexdigest()
-    return cache_root() / "models" / f"gemma4-{key[:16]}"
+    family = "gemma3n" if isinstance(spec, TinyGemma3nSpec) else "gemma4"
+    return cache_root() / "models" / f"{family}-{key[:16]}"
 
 
 def resolve(source: str) -> str:
@@ -66,7 +108,7 @@ def resolve(source: str) -> str:
         return source
     name = source[len(SCHEME):]
     if name not in PRESETS:
-        raise ValueError(f"unknown embedded model {source!r}; one of "
+        raise PleModelError(f"unknown embedded model {source!r}; one of "
                          f"{[SCHEME + n for n in PRESETS]}")
     return str(build(PRESETS[name]))
 
@@ -86,7 +128,80 @@ def _tokenizer(vocab_size: int, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build(spec: TinySpec) -> Path:
+def _gemma4(spec: TinySpec) -> Any:
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        global_head_dim=spec.head_dim,
+        layer_types=["sliding_attention", "full_attention"] * (spec.num_hidden_layers // 2)
+        + ["sliding_attention"] * (spec.num_hidden_layers % 2),
+        sliding_window=spec.sliding_window,
+        max_position_embeddings=spec.max_position_embeddings,
+        vocab_size_per_layer_input=spec.vocab_size_per_layer_input,
+        hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    )
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(spec.seed)
+    return Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _gemma3n(spec: TinyGemma3nSpec) -> Any:
+    """A text Gemma 3n whose PLE table matters: HF initialises AltUp's `correct_output_scale`
+    to zero, which multiplies the per-layer branch away; real checkpoints have it near one."""
+    import torch
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    n = spec.num_hidden_layers
+    cfg = Gemma3nTextConfig(
+        vocab_size=spec.vocab_size, vocab_size_per_layer_input=spec.vocab_size_per_layer_input,
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=n, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        layer_types=["sliding_attention", "full_attention"] * (n // 2)
+        + ["sliding_attention"] * (n % 2),
+        sliding_window=spec.sliding_window, max_position_embeddings=spec.max_position_embeddings,
+        hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
+        altup_num_inputs=spec.altup_num_inputs, num_kv_shared_layers=spec.num_kv_shared_layers,
+        laurel_rank=spec.laurel_rank, activation_sparsity_pattern=[0.0] * n,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    )
+    cfg.architectures = ["Gemma3nForCausalLM"]
+    torch.manual_seed(spec.seed)
+    model = Gemma3nForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("altup.correct_output_scale"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("embed_tokens_per_layer.weight"):
+                p.normal_(0.0, 1.0, generator=gen)
+    return model.to(torch.bfloat16)
+
+
+def _as_multimodal(spec: AnySpec, out: Path) -> None:
+    """Rewrite a saved text checkpoint in the multimodal layout (`model.language_model.*`)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3nConfig, Gemma4Config
+
+    path = out / "model.safetensors"
+    weights = {"model.language_model." + k[len("model."):] if k.startswith("model.") else k: v
+               for k, v in load_file(path).items()}
+    save_file(weights, path, metadata={"format": "pt"})
+    text = json.loads((out / "config.json").read_text())
+    text.pop("architectures", None)
+    cfg = (Gemma3nConfig(text_config=text) if isinstance(spec, TinyGemma3nSpec)
+           else Gemma4Config(text_config=text, vision_config={}))
+    cfg.architectures = [architecture(spec)]
+    cfg.save_pretrained(out)
+
+
+def build(spec: AnySpec) -> Path:
     """Build (once, under a file lock) and return the checkpoint directory."""
     out = model_dir(spec)
     done = out / ".complete"
@@ -98,29 +213,12 @@ def build(spec: TinySpec) -> Path:
         if done.exists():
             return out
         progress = Progress("tiny_model_build", 3, path=str(out))
-        import torch
-        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-        cfg = Gemma4TextConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-            global_head_dim=spec.head_dim,
-            layer_types=["sliding_attention", "full_attention"] * (spec.num_hidden_layers // 2)
-            + ["sliding_attention"] * (spec.num_hidden_layers % 2),
-            sliding_window=spec.sliding_window,
-            max_position_embeddings=spec.max_position_embeddings,
-            vocab_size_per_layer_input=spec.vocab_size_per_layer_input,
-            hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
-            pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
-        )
-        cfg.architectures = ["Gemma4ForCausalLM"]
-        torch.manual_seed(spec.seed)
-        model = Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+        model = _gemma3n(spec) if isinstance(spec, TinyGemma3nSpec) else _gemma4(spec)
         progress.update(1)
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
+        if spec.multimodal:
+            _as_multimodal(spec, tmp)
         _tokenizer(spec.vocab_size, tmp)
         progress.update(2)
         if out.exists():

@@ -45,6 +45,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
     ),
+    # vLLM's own text Gemma3nForCausalLM never reads its PLE table (only its multimodal class
+    # does); the offload class is that class's text path (worker/vllm_plugin/gemma3n.py).
+    "Gemma3nForCausalLM": ArchSpec(
+        layer_name="model.embed_tokens_per_layer",
+        offload_arch="RayPleGemma3nForCausalLM",
+        checkpoint_tensors=(
+            "model.embed_tokens_per_layer.weight",
+            "model.language_model.embed_tokens_per_layer.weight",
+        ),
+    ),
+    # The released E2B/E4B checkpoints: served text-only, images and audio refused.
+    "Gemma3nForConditionalGeneration": ArchSpec(
+        layer_name="model.embed_tokens_per_layer",
+        offload_arch="RayPleGemma3nForCausalLM",
+        checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
+    ),
 }
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from ray_ple.protocol.geometry import ARCHITECTURES
 
-_MODULES = {"RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.gemma4:RayPleGemma4ForCausalLM"}
+_MODULES = {
+    "RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.gemma4:RayPleGemma4ForCausalLM",
+    "RayPleGemma3nForCausalLM": "ray_ple.worker.vllm_plugin.gemma3n:RayPleGemma3nForCausalLM",
+}
 
 
 def register() -> None:
