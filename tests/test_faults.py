@@ -279,7 +279,7 @@ def test_node_sigstop(rig):
         return t
 
     try:
-        _case(rig, "SIGSTOP node (raylet)", inject, ("PEER_DEAD",))
+        _case(rig, "SIGSTOP node (raylet)", inject, ("PEER_STOPPED",))
     finally:
         os.kill(raylet, signal.SIGCONT)
         rig["cluster"].remove_node(node, allow_graceful=False)

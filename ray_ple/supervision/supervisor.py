@@ -43,6 +43,7 @@ from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
 from ray_ple.protocol.shm import open_segment
 from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import (
+    Deadline,
     invariant_violation,
     publish_deadline,
     stale_heartbeat,
@@ -108,6 +109,16 @@ def _proc_state(pid: int) -> str | None:
     return None if state in ("Z", "X") else state
 
 
+def liveness(pid: int, what: str) -> Failure | None:
+    """A watched process must be alive and running: gone (or a zombie) or stopped is fatal."""
+    state = _proc_state(pid)
+    if state is None:
+        return Failure(Reason.PEER_DEAD, f"{what} (pid {pid}) died")
+    if state in ("T", "t"):
+        return Failure(Reason.PEER_STOPPED, f"{what} (pid {pid}) is stopped")
+    return None
+
+
 class _Watched:
     """One pair as the supervisor sees it: an fd of its segment (read with pread, never
     mapped, so that a segment taken away cannot fault the watcher) and the last values."""
@@ -146,7 +157,8 @@ class Supervisor:
         self._closing = self._engine_started = False
         self._shm_files: set[str] = set()
         self._closing_pids: dict[int, str] = {}
-        self._created = time.monotonic_ns()
+        self._startup = Deadline(Reason.STARTUP_DEADLINE, self.spec.ple.deadlines.startup_s,
+                                 "(pairs + engine start) not serving")
         self._lock = threading.Lock()
         self._poller = select.poll()
         self._watch_pid(self.spec.replica_pid)
@@ -236,23 +248,19 @@ class Supervisor:
 
     def _check(self) -> None:
         now = time.monotonic_ns()
-        dl = self.spec.ple.deadlines
         blocks = [w.read() for w in self._watched]
         for w, b in zip(self._watched, blocks):  # a side that failed closed names the cause
             if b.state is State.FAILED:
                 raise _Problem(Reason(b.reason), "a side of the pair failed closed",
                                rank=w.handle.rank, seq=b.posted)
-        for pid, what in self._pids.items():
-            state = _proc_state(pid)
-            if state is None:
-                raise _Problem(Reason.PEER_DEAD, f"{what} (pid {pid}) died")
-            if state in ("T", "t"):
-                raise _Problem(Reason.PEER_STOPPED, f"{what} (pid {pid}) is stopped")
-        if self._raylet is not None and _proc_state(self._raylet) in (None, "T", "t"):
-            raise _Problem(Reason.PEER_DEAD, f"raylet (pid {self._raylet}) of the node is gone "
-                           "or stopped")
-        if not self._engine_started and now - self._created > dl.startup_s * 1e9:
-            raise _Problem(Reason.STARTUP_DEADLINE, f"not serving within {dl.startup_s}s")
+        watched = dict(self._pids)
+        if self._raylet is not None:
+            watched[self._raylet] = "raylet"
+        for pid, what in watched.items():
+            if (f := liveness(pid, what)) is not None:
+                raise _Problem(f.reason, f.detail)
+        if (f := self._startup.check(not self._engine_started, 0, now)) is not None:
+            raise _Problem(f.reason, f.detail)
         for w, b in zip(self._watched, blocks):
             self._check_pair(w, b, now)
 
