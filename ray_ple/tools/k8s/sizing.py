@@ -27,7 +27,7 @@ from ray_ple.engine_plan import slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import geometry_from_config
 from ray_ple.protocol.layout import PairLayout
-from ray_ple.tiny_model import PRESETS, SCHEME
+from ray_ple.tiny_model import PRESETS, SCHEME, architecture
 from ray_ple.tools.k8s.spec import WorkerEstimates
 from ray_ple.tools.quantity import GiB, parse_bytes
 
@@ -114,6 +114,27 @@ class PodBudget(Frozen):
         return lines
 
 
+def _released(arch: str, layers: int) -> dict[str, Any]:
+    return {"architectures": [arch], "text_config": {
+        "num_hidden_layers": layers, "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144, "vocab_size": 262144, "dtype": "bfloat16"}}
+
+
+# The PLE tables of the released checkpoints, by directory name (bf16): used where the
+# checkpoint is absent and k8s/spec/clusters.yaml declares no config (a declared one wins).
+RELEASED_TABLES: dict[str, dict[str, Any]] = {
+    "gemma-4-E4B": _released("Gemma4ForConditionalGeneration", 42),   # 5.25 GiB
+    "gemma-3n-E4B": _released("Gemma3nForConditionalGeneration", 35),  # 4.38 GiB
+    "gemma-3n-E2B": _released("Gemma3nForConditionalGeneration", 30),  # 3.75 GiB
+}
+
+
+def _released_config(model_source: str) -> dict[str, Any] | None:
+    name = model_source.rstrip("/").rsplit("/", 1)[-1]
+    return next((cfg for prefix, cfg in RELEASED_TABLES.items() if name.startswith(prefix)),
+                None)
+
+
 def checkpoint_config(model_source: str, model_id: str,
                       declared: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint's config.json numbers: the embedded models' own, or the declared ones."""
@@ -122,10 +143,13 @@ def checkpoint_config(model_source: str, model_id: str,
         if name not in PRESETS:
             raise PleConfigError(f"unknown embedded model {model_source!r}")
         s = PRESETS[name]
-        return {"architectures": ["Gemma4ForCausalLM"], "dtype": "bfloat16",
+        return {"architectures": [architecture(s)], "dtype": "bfloat16",
                 "num_hidden_layers": s.num_hidden_layers, "vocab_size": s.vocab_size,
                 "vocab_size_per_layer_input": s.vocab_size_per_layer_input,
                 "hidden_size_per_layer_input": s.hidden_size_per_layer_input}
+    released = _released_config(model_source)
+    if model_id not in declared and released is not None:
+        return released
     if model_id not in declared:
         raise PleConfigError(f"k8s/spec/clusters.yaml gives no checkpoint_configs[{model_id!r}]: "
                              f"the checkpoint {model_source} is not here to read its table size")
