@@ -2,15 +2,16 @@
 
 vLLM 0.32's `Gemma4Model.forward` builds every layer's per-layer input before the layer loop
 (`get_per_layer_inputs`, then `project_per_layer_inputs`: `(norm(proj) + ple * es) * s`), so
-an offloaded lookup must be complete before layer 0. Yet layer l reads its 256-wide slice
-only at its end (the PLE gate, after attention and MLP). This model runs the projection up
-front, unchanged, and moves the combine of layer l to layer l's gate:
+an offloaded lookup must be complete before layer 0. Yet layer l reads its slice only at its
+end (the PLE gate, after attention and MLP). This model runs the projection matmul up front
+and moves the rest of the combine of layer l to layer l's gate:
 
-    projection = norm(proj(embeds))                        # [T, L, d], vLLM's own method
-    layer l:   attention, MLP (vLLM's code)                # the offload side gathers meanwhile
-               rows_l = rows_for_layer(l)                  # the wait for l's part, if first
-               c_l = (projection[:, l] + rows_l * es) * s  # vLLM's ops, order, dtypes, buffers
-               PLE gate with c_l, layer scalar (vLLM's code)
+    projection = proj(embeds) * ps, as [T, L, d]            # vLLM's steps 1-3, up front
+    layer l:  attention, MLP (vLLM's code)                  # the offload side gathers meanwhile
+              rows_l = rows_for_layer(l)                    # the wait for l's part, if first
+              c_l = (norm(projection[:, l]) + rows_l * es) * s    # vLLM's steps 4-5
+              settle(c_l)                                   # stored in bf16, as vLLM's is
+              PLE gate with c_l, layer scalar (vLLM's code)
 
 `rows_for_layer(l)` pulls the part that holds layer l the first time one of its layers asks,
 then slices it. Today a step has one part, the whole row (`ray_ple::pull`, one flag): the
@@ -18,14 +19,17 @@ wait moves from before layer 0 to layer 0's gate, and nothing in the protocol ch
 per-part pull op (`ray_ple::pull_part(Tensor(a!) out, str layer_name, int part)`, one flag
 per part, a layer-major slot) replaces `_pull_part` without touching anything else here.
 
-Arithmetic: the combine is elementwise, so computing it per layer slice gives each element
-the same operations in the same order on the same dtypes (bf16 rows times the model's own
-`embed_scale_per_layer` buffer, plus the normed projection, times its own bf16-rounded
-`per_layer_input_scale` buffer); ids outside `vocab_size_per_layer_input` map to row 0 on
-the offload side (its gather), as vLLM's `torch.where` does. Refused: kv-sharing fast
-prefill (YOCO's split forward computes every layer's input inside the self-decoder and
-copies it for the cross-decoder) and any vLLM whose decoder-layer forward differs from the
-one this module mirrors.
+Arithmetic: norm and combine are per row of d and elementwise, so computing them per layer
+slice gives each element the same operations in the same order on the same dtypes (the
+model's own norm, `embed_scale_per_layer` and bf16-rounded `per_layer_input_scale`), in
+eager mode by construction. Compiled, Inductor decides what is stored in bf16 and what stays
+fp32 inside a fused kernel: vLLM's graph stores the combined input once (the norm fused in,
+fp32), so here only the projection matmul's bf16 output is kept across layers and `settle`
+makes the combined slice a stored bf16 buffer before the gate reads it. Ids outside
+`vocab_size_per_layer_input` map to row 0 on the offload side (its gather), as vLLM's
+`torch.where` does. Refused: kv-sharing fast prefill (YOCO's split forward builds every
+layer's input inside the self-decoder and copies it for the cross-decoder) and any vLLM
+whose mirrored sources differ from 0.32.0's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ from itertools import islice
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models import gemma4 as vllm_gemma4
-from vllm.model_executor.models.gemma4 import Gemma4DecoderLayer, Gemma4Model
+from vllm.model_executor.models.gemma4 import (
+    Gemma4DecoderLayer,
+    Gemma4Model,
+    Gemma4SelfDecoderLayers,
+)
 
 from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
@@ -47,7 +55,24 @@ from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
 # sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_late_layer_forward` and
 # `LateGemma4Model.forward` mirror; any other source is refused rather than guessed at
 _MIRRORED = {"Gemma4DecoderLayer.forward": "7cd0b990b419b392",
-             "Gemma4Model.forward": "4462a1c4d8732679"}
+             "Gemma4Model.forward": "4462a1c4d8732679",
+             "Gemma4SelfDecoderLayers.project_per_layer_inputs": "1e31659e1ea7f8ca"}
+
+# `ray_ple::settle(Tensor(a!) x) -> ()`: does nothing, but a compiler must hand it `x` as a
+# real buffer. vLLM's compiled graph stores every layer's combined input in bf16 before any
+# gate reads it (CPU: one fused kernel; CUDA: it crosses piecewise-graph boundaries); without
+# this, Inductor fuses the late combine into the gate product and skips that bf16 rounding.
+_LIB = torch.library.Library("ray_ple", "FRAGMENT")
+_LIB.define("settle(Tensor(a!) x) -> ()")
+
+
+def _settle(x: torch.Tensor) -> None:
+    return None
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("settle", _settle, _key)
+torch.library.register_fake("ray_ple::settle", _settle, lib=_LIB)
 
 
 def _fingerprint(fn: Callable[..., object]) -> str:
@@ -57,7 +82,9 @@ def _fingerprint(fn: Callable[..., object]) -> str:
 def check_mirrored_sources() -> None:
     """Fail at construction if vLLM's Gemma 4 forward is not the one mirrored here."""
     for name, fn in (("Gemma4DecoderLayer.forward", Gemma4DecoderLayer.forward),
-                     ("Gemma4Model.forward", Gemma4Model.forward)):
+                     ("Gemma4Model.forward", Gemma4Model.forward),
+                     ("Gemma4SelfDecoderLayers.project_per_layer_inputs",
+                      Gemma4SelfDecoderLayers.project_per_layer_inputs)):
         if _fingerprint(fn) != _MIRRORED[name]:
             raise PleModelError(f"vLLM's {name} differs from the one ray-ple's late waits "
                                 "mirror (vLLM 0.32.0); use the early pull with this vLLM")
@@ -141,12 +168,32 @@ class LateGemma4Model(Gemma4Model):
         k = layer_idx - self.late_parts[part].start
         return pulled[part][:, k * d:(k + 1) * d]
 
+    def scaled_projection(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
+        """Steps 1-3 of vLLM's `project_per_layer_inputs`: `[T, L, d]`, not yet normed."""
+        if self.per_layer_model_projection is None:
+            return None
+        dec = self.self_decoder
+        per_layer_projection = dec.per_layer_model_projection(inputs_embeds)
+        per_layer_projection = per_layer_projection * dec.per_layer_projection_scale
+        return per_layer_projection.reshape(*inputs_embeds.shape[:-1],
+                                            self.config.num_hidden_layers,
+                                            self.hidden_size_per_layer_input)
+
     def combine(self, layer_idx: int, projection: torch.Tensor, input_ids: torch.Tensor,
                 pulled: dict[int, torch.Tensor]) -> torch.Tensor:
-        """vLLM's `(projection + ple * embed_scale) * input_scale`, one layer's slice."""
+        """Steps 4-5 of vLLM's `project_per_layer_inputs` on layer `layer_idx`'s slice.
+
+        The norm runs here, not up front, so that under piecewise graphs only the
+        projection's matmul output (bf16 in vLLM's graph too) crosses a graph boundary and
+        the norm stays fused, in fp32, into the combine as in vLLM's kernel.
+        """
+        dec = self.self_decoder
+        normed = dec.per_layer_projection_norm(projection[:, layer_idx, :])
         rows = self.rows_for_layer(layer_idx, input_ids, pulled)
-        ple = rows * self.self_decoder.embed_scale_per_layer
-        return (projection[:, layer_idx, :] + ple) * self.self_decoder.per_layer_input_scale
+        ple = rows * dec.embed_scale_per_layer
+        combined = (normed + ple) * dec.per_layer_input_scale
+        torch.ops.ray_ple.settle(combined)
+        return combined
 
     def forward(
         self,
@@ -162,7 +209,7 @@ class LateGemma4Model(Gemma4Model):
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                    per_layer_inputs, **kwargs)
         hidden_states = self.embed_input_ids(input_ids)
-        projection = self.project_per_layer_inputs(hidden_states, None)
+        projection = self.scaled_projection(hidden_states)
         pulled: dict[int, torch.Tensor] = {}
         residual = None
         aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)
