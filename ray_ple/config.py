@@ -51,9 +51,17 @@ class PleConfig(Frozen):
     supervisor: SupervisorConfig = SupervisorConfig()
 
     @model_validator(mode="after")
-    def _shm_dir_absolute(self) -> PleConfig:
+    def _consistent(self) -> PleConfig:
         if not self.shm_dir.startswith("/"):
             raise ValueError(f"ple.shm_dir must be an absolute path, got {self.shm_dir!r}")
+        beat, dead = self.supervisor.heartbeat_interval_s, self.deadlines.heartbeat_s
+        if beat * 2 > dead:
+            raise ValueError(f"supervisor.heartbeat_interval_s={beat:g} must be at most half of "
+                             f"deadlines.heartbeat_s={dead:g}: a side beating less often than "
+                             "that is declared dead while idle")
+        if self.supervisor.poll_interval_s * 2 > dead:
+            raise ValueError(f"supervisor.poll_interval_s={self.supervisor.poll_interval_s:g} "
+                             f"must be at most half of deadlines.heartbeat_s={dead:g}")
         return self
 
 

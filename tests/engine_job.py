@@ -21,19 +21,28 @@ def _inventory(worker: Any) -> list[tuple[str, list[int]]]:
     return [(n, list(t.shape)) for n, t in named]
 
 
-def _overwrite_table(pairs: Any, fill: float) -> None:
-    """Write into the node's shared table copy (as a second holder would see it)."""
-    import numpy as np
+def _altered_copy(checkpoint: str, fill: float, out_dir: str) -> str:
+    """The checkpoint with every PLE row set to `fill`, all else shared (symlinks).
 
-    from ray_ple.offload.table_store import acquire_table
-    from ray_ple.protocol.shm import PAGE
+    The node table is a sealed, read-only copy of the checkpoint's tensor: nothing can alter
+    it in place, so the altered table is served from an altered checkpoint instead.
+    """
+    from pathlib import Path
 
-    table = acquire_table(pairs.sources[0], shm_dir="/dev/shm", deadline_s=30)
-    view = np.ndarray((table.layer.rows, table.layer.row_bytes), np.uint8, table.segment.map,
-                      PAGE)
-    bf16_bits = np.array([fill], dtype=np.float32).view(np.uint32) >> 16
-    view.view(np.uint16)[:] = bf16_bits.astype(np.uint16)
-    table.close()
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(checkpoint), Path(out_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).symlink_to(f.resolve())
+            continue
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if "embed_tokens_per_layer" in name:
+                t.fill_(fill)
+        save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
+    return str(dst)
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -46,20 +55,27 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     engine = {**ENGINE, **job.get("engine", {})}
     ple = PleConfig.model_validate(job.get("ple", {}))
     out: dict[str, Any] = {}
+    def generate(batches: list[list[list[int]]]) -> list[list[list[int]]]:
+        return [[list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)]
+            for batch in batches]
+
     with offloaded_llm(job["model"], ple, **engine) as llm:
-        def generate(batches: list[list[list[int]]]) -> list[list[list[int]]]:
-            return [[list(o.outputs[0].token_ids) for o in llm.generate(
-                [{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)]
-                for batch in batches]
 
         out["tokens"] = generate(job["batches"])
         out["inventory"] = llm.collective_rpc(_inventory)
         pairs = getattr(llm, "ray_ple_pairs", None)
         if pairs is not None:
             out["status"] = [s.model_dump() for s in pairs.statuses()]
-            if "overwrite_table" in job:
-                _overwrite_table(pairs, job["overwrite_table"])
-                out["tokens_after_overwrite"] = generate(job["batches"])
+    if "altered_table" in job:  # the same engine over a checkpoint whose PLE rows differ
+        import tempfile
+
+        from ray_ple.tiny_model import resolve
+
+        with tempfile.TemporaryDirectory() as tmp:
+            altered = _altered_copy(resolve(job["model"]), job["altered_table"], tmp)
+            with offloaded_llm(altered, ple, **engine) as llm:
+                out["tokens_altered_table"] = generate(job["batches"])
     return out
 
 

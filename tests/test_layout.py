@@ -104,7 +104,8 @@ print(heavy)
 assert heavy == [], heavy
 """
 FORBIDDEN = ("ray_ple.protocol.transaction", "ray_ple.offload.actor", "ray_ple.worker.pair",
-             "ray_ple.supervision.supervisor", "ray_ple.protocol.doorbell", "ray_ple.offload.gather")
+             "ray_ple.supervision.supervisor", "ray_ple.protocol.doorbell",
+             "ray_ple.offload.gather")
 
 
 @pytest.mark.parametrize("module", ["ray_ple.tools.k8s.sizing", "ray_ple.tools.cli",

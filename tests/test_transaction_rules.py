@@ -34,7 +34,8 @@ from ray_ple.protocol.transaction import (
     publish_deadline,
     went_back,
 )
-from ray_ple.supervision.supervisor import _Watched, liveness
+from ray_ple.supervision.processes import ProcessSet
+from ray_ple.supervision.supervisor import _Watched
 
 ROW_ELEMS, MAX_TOKENS = 32, 16
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=MAX_TOKENS, layers=(
@@ -252,8 +253,10 @@ def test_supervisor_rules():
         b.posted = 1
         late = publish_deadline(FAST)
         assert late.check(True, 1, now) is None
-        assert late.check(True, 1, now + int(0.3e9)).reason is Reason.PUBLISH_DEADLINE
-        assert late.check(True, 2, now + int(0.3e9)) is None, "a new step restarts the clock"
+        limit = int((FAST.offload_wait_s + FAST.heartbeat_s) * 1e9)  # after the side's own
+        assert late.check(True, 1, now + limit - 1) is None
+        assert late.check(True, 1, now + limit + 1).reason is Reason.PUBLISH_DEADLINE
+        assert late.check(True, 2, now + limit + 1) is None, "a new step restarts the clock"
         assert b.published(0) == 0 and b.state is State.READY, "the rules only read"
         # the segment taken away under a live pair
         os.ftruncate(pair.segment.fd, 0)
@@ -268,15 +271,17 @@ def test_supervisor_liveness_and_startup():
     from ray_ple.protocol.transaction import Deadline
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = ProcessSet()
     try:
-        assert liveness(child.pid, "worker[0]") is None
+        assert procs.add(child.pid, "worker[0]") and procs.liveness() is None
         child.send_signal(signal.SIGSTOP)
         time.sleep(0.2)
-        assert liveness(child.pid, "worker[0]").reason is Reason.PEER_STOPPED
+        assert procs.liveness().reason is Reason.PEER_STOPPED
         child.send_signal(signal.SIGCONT)
-        child.kill()
+        assert procs.kill_all() == [], "killed through its pidfd"
         child.wait()
-        assert liveness(child.pid, "worker[0]").reason is Reason.PEER_DEAD
+        assert procs.liveness().reason is Reason.PEER_DEAD
+        assert procs.kill_all() == [], "killing the dead is no error"
     finally:
         child.kill()
     startup = Deadline(Reason.STARTUP_DEADLINE, FAST.startup_s, "not serving")

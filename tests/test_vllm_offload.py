@@ -54,7 +54,7 @@ def _flat(tokens: list[list[list[int]]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_runs(cluster):
     model = "ray-ple://tiny-gemma4"
-    offload = run_engine(cluster, {"model": model, "batches": BATCHES, "overwrite_table": 0.0})
+    offload = run_engine(cluster, {"model": model, "batches": BATCHES, "altered_table": 0.0})
     plain = run_engine(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
     return offload, plain
 
@@ -69,7 +69,7 @@ def test_greedy_tokens_identical_to_unoffloaded_and_hf(tiny_runs):
 
 def test_the_offloaded_table_is_really_used(tiny_runs):
     offload, _ = tiny_runs
-    assert offload["tokens_after_overwrite"] != offload["tokens"]
+    assert offload["tokens_altered_table"] != offload["tokens"]
 
 
 def test_worker_holds_no_ple_table(tiny_runs):

@@ -131,12 +131,28 @@ class ControlBlock:
         if os.fstat(fd).st_size < layout.size:
             return None
         words = bytearray(os.pread(fd, PAGE, 0))
-        return cls(None, layout, words) if len(words) == PAGE else None
+        if len(words) != PAGE:
+            return None
+        # The counters once more, one word each, in the order that cannot tear across steps
+        # (`released` moves last, `posted` first): one copy of the page reads them low to high.
+        for off in (RELEASED_OFF, *layout.published_offsets, POSTED_OFF):
+            word = os.pread(fd, 8, off)
+            if len(word) != 8:
+                return None
+            words[off:off + 8] = word
+        return cls(None, layout, words)
 
     @staticmethod
-    def write_state(fd: int, state: State, reason: int) -> None:
-        """Set state and reason through the fd (the watcher's only write)."""
-        os.pwrite(fd, struct.pack("<II", int(state), reason), STATE_OFF)
+    def write_state(fd: int, state: State) -> None:
+        """Set the state word through the fd (an orderly close)."""
+        os.pwrite(fd, struct.pack("<I", int(state)), STATE_OFF)
+
+    @staticmethod
+    def write_failure(fd: int, reason: int) -> None:
+        """Mark FAILED through the fd (the watcher's verdict); an earlier reason stays."""
+        if struct.unpack("<I", os.pread(fd, 4, STATE_OFF + 4))[0] == 0:
+            os.pwrite(fd, struct.pack("<I", int(reason)), STATE_OFF + 4)
+        os.pwrite(fd, struct.pack("<I", int(State.FAILED)), STATE_OFF)
 
     # header -------------------------------------------------------------------------
     def write_header(self, token: str, fingerprint: str) -> None:
@@ -151,20 +167,28 @@ class ControlBlock:
     # words ----------------------------------------------------------------------------
     @property
     def state(self) -> State:
+        """FAILED once any reason is set, whatever the state word says: the reason word is
+        written only by a failure and never reset, so a concurrent CLOSED (or READY) store to
+        the state word can never hide a failure (no compare-and-swap needed)."""
+        if int(self._state[1]) != 0:
+            return State.FAILED
         return State(int(self._state[0]))
 
     @property
     def reason(self) -> int:
         return int(self._state[1])
 
-    def set_state(self, state: State, reason: int = 0) -> None:
-        self._state[1] = reason
+    def set_state(self, state: State) -> None:
+        """INIT, READY or CLOSED; a failure is `fail`."""
+        if state is State.FAILED:
+            raise ValueError("FAILED carries a reason: use fail()")
         self._state[0] = int(state)
 
     def fail(self, reason: int) -> None:
-        """FAILED with `reason`, unless already FAILED (the first reason wins)."""
-        if self.state is not State.FAILED:
-            self.set_state(State.FAILED, int(reason))
+        """FAILED with `reason`; the first reason written stays."""
+        if int(self._state[1]) == 0:
+            self._state[1] = int(reason)
+        self._state[0] = int(State.FAILED)
 
     @property
     def posted(self) -> int:

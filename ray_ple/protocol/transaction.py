@@ -157,8 +157,11 @@ def step_deadline(deadlines: PleDeadlines) -> Deadline:
 
 
 def publish_deadline(deadlines: PleDeadlines) -> Deadline:
-    """A posted step's rows must be published in time."""
-    return Deadline(Reason.PUBLISH_DEADLINE, deadlines.offload_wait_s, "not published")
+    """A posted step's rows must be published in time: the supervisor's backstop, later than
+    the offload side's own `offload_wait_s` (plus a heartbeat), so that a side that can name
+    the cause (OFFLOAD_WAIT) does so first."""
+    return Deadline(Reason.PUBLISH_DEADLINE, deadlines.offload_wait_s + deadlines.heartbeat_s,
+                    "not published")
 
 
 def wait_until(ready: Callable[[], bool], deadline_s: float, *, spin_s: float = 50e-6,
@@ -298,8 +301,14 @@ class OffloadEnd:
         if not 0 <= t <= b.layout.max_tokens:
             self.fail(Failure(Reason.TOKEN_COUNT, f"step {step} has {t} tokens"))
         ids = b.ids[:t]
+
+        def alive() -> bool:  # beat while waiting: a long wait is OFFLOAD_WAIT, not HEARTBEAT
+            b.beat(Side.OFFLOAD, time.monotonic_ns())
+            return False
+
         for i, flag in enumerate(b.flags):
-            if not wait_until(lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s):
+            if not wait_until(lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s,
+                              abort=alive):
                 self.fail(Failure(Reason.OFFLOAD_WAIT, f"flag of step {step - 1} never reset",
                                   i))
             gather(i, ids, b.slots[i][:t])

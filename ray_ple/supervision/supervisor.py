@@ -22,9 +22,8 @@ it outlives what it kills; it exits when its replica is gone, whatever ended it.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import select
-import signal
 import threading
 import time
 from typing import Any
@@ -53,6 +52,7 @@ from ray_ple.protocol.transaction import (
 from ray_ple.supervision import metrics
 from ray_ple.supervision.engine_leftovers import remove_unused, shm_files_of
 from ray_ple.supervision.offload_group import OffloadGroup
+from ray_ple.supervision.processes import ProcessSet, descends_from
 
 KV_PREFIX = "ray_ple:verdict:"
 CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more
@@ -99,26 +99,6 @@ class _Problem(Exception):
         return cls(f.reason, f.detail, rank=handle.rank, layer=layer, seq=seq)
 
 
-def _proc_state(pid: int) -> str | None:
-    """One-letter state from /proc (None when gone; 'Z' is gone too)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if state in ("Z", "X") else state
-
-
-def liveness(pid: int, what: str) -> Failure | None:
-    """A watched process must be alive and running: gone (or a zombie) or stopped is fatal."""
-    state = _proc_state(pid)
-    if state is None:
-        return Failure(Reason.PEER_DEAD, f"{what} (pid {pid}) died")
-    if state in ("T", "t"):
-        return Failure(Reason.PEER_STOPPED, f"{what} (pid {pid}) is stopped")
-    return None
-
-
 class _Watched:
     """One pair as the supervisor sees it: an fd of its segment (read with pread, never
     mapped, so that a segment taken away cannot fault the watcher) and the last values."""
@@ -137,8 +117,11 @@ class _Watched:
                            rank=self.handle.rank)
         return block
 
-    def set_state(self, state: State, reason: int = 0) -> None:
-        ControlBlock.write_state(self.fd, state, reason)
+    def set_state(self, state: State) -> None:
+        ControlBlock.write_state(self.fd, state)
+
+    def fail(self, reason: Reason) -> None:
+        ControlBlock.write_failure(self.fd, reason)
 
 
 class Supervisor:
@@ -150,18 +133,18 @@ class Supervisor:
         self._pairs = OffloadGroup(self.spec.ple, self.spec.geometry, self.spec.sources,
                               tag=self.spec.tag)
         self._watched: list[_Watched] = []
-        self._pids: dict[int, str] = {self.spec.replica_pid: "replica"}
+        self._procs = ProcessSet()  # the replica's processes, each held by a pidfd
+        self._procs.add(self.spec.replica_pid, "replica")
         raylet = psutil.Process(self.spec.replica_pid).ppid()
-        self._raylet = raylet if raylet > 1 else None
+        self._raylet = ProcessSet()  # watched, never killed
+        if raylet > 1:
+            self._raylet.add(raylet, "raylet")
         self._verdict: Verdict | None = None
         self._closing = self._engine_started = False
         self._shm_files: set[str] = set()
-        self._closing_pids: dict[int, str] = {}
         self._startup = Deadline(Reason.STARTUP_DEADLINE, self.spec.ple.deadlines.startup_s,
                                  "(pairs + engine start) not serving")
         self._lock = threading.Lock()
-        self._poller = select.poll()
-        self._watch_pid(self.spec.replica_pid)
         self._thread = threading.Thread(target=self._watch, name="ray-ple-supervisor",
                                         daemon=True)
         self._thread.start()
@@ -174,8 +157,8 @@ class Supervisor:
         with self._lock:
             for handle in handles:
                 self._watched.append(_Watched(handle, self.spec.ple.deadlines))
-                self._pids[handle.segment.pid] = f"offload[{handle.rank}]"
-                self._watch_pid(handle.segment.pid)
+                # the handle's pid is the creator of the segment just opened by fd: ours
+                self._procs.add(handle.segment.pid, f"offload[{handle.rank}]")
         return EngineHandles(pairs=tuple(handles))
 
     def engine_started(self) -> EngineAttached:
@@ -187,9 +170,12 @@ class Supervisor:
                 if block.state is not State.READY:
                     raise PleError(f"engine started but worker rank {w.handle.rank} never "
                                    f"attached (pair is {block.state.name})")
-                pids.append(block.worker_pid)
-                self._pids[block.worker_pid] = f"worker[{w.handle.rank}]"
-                self._watch_pid(block.worker_pid)
+                pid = block.worker_pid  # read from shared memory: vouched for before use
+                if not descends_from(pid, self.spec.replica_pid) or not self._procs.add(
+                        pid, f"worker[{w.handle.rank}]"):
+                    raise PleError(f"worker rank {w.handle.rank} reports pid {pid}, which is "
+                                   "not a live process of this replica")
+                pids.append(pid)
             self._engine_started = True
             return EngineAttached(worker_pids=tuple(pids))
 
@@ -197,7 +183,7 @@ class Supervisor:
         return self._verdict
 
     def pids(self) -> dict[int, str]:
-        return dict(self._pids)
+        return self._procs.named()
 
     def statuses(self) -> list[PairStatus]:
         """Each pair as its offload actor sees it (for operators and tests)."""
@@ -209,20 +195,14 @@ class Supervisor:
         passed), the watch thread removes what they left in /dev/shm and ends this process."""
         with self._lock:  # no check runs while the pairs go
             self._closing = True
-            self._closing_pids = self._replica_processes()
-            self._shm_files = shm_files_of(self._closing_pids)
+            self._procs.adopt_descendants(self.spec.replica_pid)
+            self._shm_files = shm_files_of(self._procs.named())
             for w in self._watched:
                 if w.read().state in (State.READY, State.INIT):
                     w.set_state(State.CLOSED)
             self._pairs.kill()
 
     # watching ---------------------------------------------------------------------------
-    def _watch_pid(self, pid: int) -> None:
-        try:
-            self._poller.register(os.pidfd_open(pid), select.POLLIN)
-        except OSError:
-            pass  # already gone: the next check says so
-
     def _watch(self) -> None:
         period_ms = int(self.spec.ple.supervisor.poll_interval_s * 1000)
         while True:
@@ -231,18 +211,17 @@ class Supervisor:
                     if self._closing:
                         break
                     self._check()
+                self._procs.poller.poll(period_ms)  # wakes at once when a process exits
             except _Problem as p:
                 self._terminate(p)
                 return
-            except Exception as exc:  # noqa: BLE001 - uncertainty is a verdict, never a retry
+            except BaseException as exc:  # noqa: BLE001 - uncertainty is a verdict, never a retry
                 self._terminate(_Problem(Reason.STATE, f"supervisor check failed: {exc!r}"))
                 return
-            self._poller.poll(period_ms)
         deadline = time.monotonic() + CLOSE_WAIT_S
-        while time.monotonic() < deadline and any(_proc_state(p) for p in self._closing_pids):
+        while time.monotonic() < deadline and self._procs.running():
             time.sleep(0.1)
-        left = [f"{p}:{w}" for p, w in self._closing_pids.items() if _proc_state(p)]
-        log_event("replica_closed", replica=self.spec.tag, still_running=left,
+        log_event("replica_closed", replica=self.spec.tag, still_running=self._procs.running(),
                   shm_removed=remove_unused(self._shm_files))
         self._exit_soon()
 
@@ -253,12 +232,8 @@ class Supervisor:
             if b.state is State.FAILED:
                 raise _Problem(Reason(b.reason), "a side of the pair failed closed",
                                rank=w.handle.rank, seq=b.posted)
-        watched = dict(self._pids)
-        if self._raylet is not None:
-            watched[self._raylet] = "raylet"
-        for pid, what in watched.items():
-            if (f := liveness(pid, what)) is not None:
-                raise _Problem(f.reason, f.detail)
+        if (f := self._procs.liveness() or self._raylet.liveness()) is not None:
+            raise _Problem(f.reason, f.detail)
         if (f := self._startup.check(not self._engine_started, 0, now)) is not None:
             raise _Problem(f.reason, f.detail)
         for w, b in zip(self._watched, blocks):
@@ -290,64 +265,68 @@ class Supervisor:
                 raise _Problem.of(f, handle, c.posted)
 
     # ending -----------------------------------------------------------------------------
-    def _replica_processes(self) -> dict[int, str]:
-        pids = dict(self._pids)
-        try:
-            for child in psutil.Process(self.spec.replica_pid).children(recursive=True):
-                pids.setdefault(child.pid, child.name())
-        except psutil.Error:
-            pass
-        return pids
-
     def _terminate(self, p: _Problem) -> None:
-        import ray
-
+        """End the replica: first, and whatever fails on the way, no step can be taken and
+        every process is killed; then the record (log line, metrics, verdict, KV)."""
         t0, detected_at = time.monotonic(), time.time()
-        log_event("verdict", where="supervisor", replica=self.spec.tag, rank=p.rank,
-                  layer=p.layer, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
-        metrics.verdict(self.spec.tag, p.reason.name)
-        if p.reason in _DEADLINES:
-            metrics.deadline_miss(self.spec.tag, _DEADLINES[p.reason])
+        failures = []
         for w in self._watched:
             try:
-                if w.read().state is not State.FAILED:
-                    w.set_state(State.FAILED, int(p.reason))
-            except _Problem:
-                pass  # the segment is gone: nobody can take a step in it
-        procs = self._replica_processes()
-        shm_files = shm_files_of(procs)
-        for pid in procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                w.fail(p.reason)
+            except Exception as exc:  # noqa: BLE001 - a segment gone: nobody can step in it
+                failures.append(f"mark rank {w.handle.rank}: {exc!r}")
+        try:
+            self._procs.adopt_descendants(self.spec.replica_pid)
+        except Exception as exc:  # noqa: BLE001 - the held processes are still killed
+            failures.append(f"list: {exc!r}")
+        failures += self._procs.kill_all()
+        self._verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
+                                layer=p.layer, seq=p.seq, detail=p.detail[:500],
+                                detected_at=detected_at)
+        failures += self._ray_kill()
+        try:
+            self._record(p, t0, failures)
+        except Exception as exc:  # noqa: BLE001 - the replica is ended; only the record failed
+            log_event("verdict_record_failed", level=logging.ERROR, replica=self.spec.tag,
+                      reason=p.reason.name, error=repr(exc))
+        finally:
+            self._exit_soon(METRICS_FLUSH_S)
+
+    def _ray_kill(self) -> list[str]:
+        import ray
+
+        errors: list[str] = []
+        if not ray.is_initialized():  # never start a Ray here (the process kills stand)
+            return errors
         for handle in (self._replica, *self._pairs.actors):
             try:
                 ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            except Exception as exc:  # noqa: BLE001 - already dead, or Ray is gone
+                errors.append(f"ray.kill: {exc!r}")
+        return errors
+
+    def _record(self, p: _Problem, t0: float, failures: list[str]) -> None:
+        log_event("verdict", where=Side.SUPERVISOR.value, replica=self.spec.tag, rank=p.rank,
+                  layer=p.layer, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_proc_state(pid) for pid in procs):
+        while time.monotonic() < deadline and self._procs.running():
             time.sleep(0.005)
-        survivors = [f"{pid}:{procs[pid]}:{_proc_state(pid)}" for pid in procs
-                     if _proc_state(pid)]
-        verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
-                          layer=p.layer, seq=p.seq, detail=p.detail[:500],
-                          detected_at=detected_at, gone_at=time.time(),
-                          detect_to_gone_s=round(time.monotonic() - t0, 4),
-                          pids=sorted(procs), survivors=survivors)
-        shm_removed = remove_unused(shm_files)  # once nothing of the replica can map them
+        procs = self._procs.named()
+        survivors = self._procs.running()
+        verdict = self._verdict.model_copy(update=dict(
+            gone_at=time.time(), detect_to_gone_s=round(time.monotonic() - t0, 4),
+            pids=tuple(sorted(procs)), survivors=tuple(survivors)))
         self._verdict = verdict
+        shm_removed = remove_unused(shm_files_of(procs))  # nothing of the replica maps them
         log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
                   detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),
-                  survivors=survivors, shm_removed=shm_removed)
-        try:
-            from ray.experimental import internal_kv
+                  survivors=survivors, shm_removed=shm_removed, failures=failures)
+        metrics.verdict(self.spec.tag, p.reason.name)
+        if p.reason in _DEADLINES:
+            metrics.deadline_miss(self.spec.tag, _DEADLINES[p.reason])
+        from ray.experimental import internal_kv
 
-            internal_kv._internal_kv_put(KV_PREFIX + self.spec.tag, verdict.model_dump_json())
-        except Exception:  # noqa: BLE001 - the log line above is the record of last resort
-            pass
-        self._exit_soon(METRICS_FLUSH_S)
+        internal_kv._internal_kv_put(KV_PREFIX + self.spec.tag, verdict.model_dump_json())
 
     def _exit_soon(self, linger_s: float = 2.0) -> None:
         """Leave after answering what is in flight (and, after a verdict, after the metrics
