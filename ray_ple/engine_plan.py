@@ -47,11 +47,34 @@ class OffloadPlan(Frozen):
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 
 
+def refuse_unsupported(engine_kwargs: dict[str, Any]) -> None:
+    """Engine features the offload does not serve, refused before anything starts.
+
+    Speculative decoding: the drafter's and the verifier's forwards are not transactions of
+    a pair (the worker check refuses it too, but only once the replica is starting).
+    Images, audio, video: the model is served as text (its towers are never built), so a
+    config that asks for them is refused here, and a request that carries them gets vLLM's
+    400. Prompt embeddings: no token ids, so no rows to look up.
+    """
+    if engine_kwargs.get("speculative_config"):
+        raise PleConfigError("speculative decoding (engine_kwargs.speculative_config) is not "
+                             "supported with PLE offload; serve it with ple.enabled: false")
+    limits = engine_kwargs.get("limit_mm_per_prompt") or {}
+    asked = sorted(m for m, n in limits.items()
+                   if (n.get("count", 1) if isinstance(n, dict) else n))
+    if asked:
+        raise PleConfigError(f"PLE offload serves the model as text: images, audio and video "
+                             f"are refused, but limit_mm_per_prompt allows {asked}")
+    if engine_kwargs.get("enable_prompt_embeds"):
+        raise PleConfigError("PLE offload needs token ids: enable_prompt_embeds is refused")
+
+
 def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
     """Slot rows (`max_tokens`), checked against the engine's parallelism and batch.
 
     Needs no checkpoint, so manifests can be checked where the checkpoint does not exist.
     """
+    refuse_unsupported(engine_kwargs)
     for key in ("pipeline_parallel_size", "data_parallel_size"):
         if int(engine_kwargs.get(key, 1)) != 1:
             raise PleConfigError(f"PLE offload supports tensor parallelism only ({key} must be 1)")

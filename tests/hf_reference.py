@@ -16,8 +16,23 @@ import math
 import torch
 
 
+def _load_gemma3n(model_dir: str):  # noqa: ANN202
+    """HF's text Gemma 3n indexes its PLE table directly too; the same mapping goes first."""
+    from transformers import Gemma3nForCausalLM
+
+    model = Gemma3nForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    text, rows = model.model, model.config.vocab_size_per_layer_input
+    original = text.get_per_layer_inputs
+    text.get_per_layer_inputs = lambda ids: original(  # noqa: E731
+        torch.where((ids >= 0) & (ids < rows), ids, 0))
+    return model
+
+
 def _load(model_dir: str):  # noqa: ANN202
-    from transformers import Gemma4ForCausalLM
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    if AutoConfig.from_pretrained(model_dir).model_type == "gemma3n_text":
+        return _load_gemma3n(model_dir)
 
     model = Gemma4ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     text, rows = model.model, model.config.vocab_size_per_layer_input
