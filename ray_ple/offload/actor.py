@@ -136,9 +136,10 @@ class OffloadActor:
             end.watch(now)
             step = end.next_step()
             if step is not None:
+                gather = self._gather_layer
                 if faults.ACTIVE:
-                    faults.before_gather(end.rank, b, b.ids[:b.token_count], self._gather_layer)
-                end.publish(step, self._gather_layer, cut)
+                    gather = faults.before_gather(end.rank, b, b.ids[:b.token_count], gather)
+                end.publish(step, gather, cut)
                 continue
             if spin_s and wait_until(lambda last=end.last: b.posted != last, spin_s,
                                      spin_s=spin_s):

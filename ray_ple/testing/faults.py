@@ -37,10 +37,13 @@ CutPoint = Literal[
     "worker.skip_post",  # `posted` jumps by two
     "worker.stall_before_release",  # the consumer hangs before releasing (arg: seconds)
     "worker.corrupt_released",  # `released` written wrong
+    "worker.flag_left_up",  # after the release, the last slot's flag set back to 1
     # offload side, around the gather and the publish
     "offload.park_before_publish",  # gathered nothing, parked (arg: seconds)
     "offload.die_mid_gather",  # half the rows written, then the process dies
-    "offload.repeat_publish",  # flag raised with a stale `published`
+    "offload.repeat_publish",  # fresh rows, flag raised with a stale `published`
+    "offload.stale_rows",  # no gather: flag raised over the previous step's rows, `published`
+    #                        left at the previous step
     "offload.corrupt_handle",  # setup hands out a handle with a wrong token
     "offload.die_during_setup",  # the process dies while setting up
     "offload.truncate_segment",  # the pair segment's memory is taken away under a live pair
@@ -127,23 +130,28 @@ def post_cut(block: ControlBlock) -> Cut | None:
 
 
 def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
-    """For `OffloadEnd.publish`: raise a layer's flag over a stale `published`."""
+    """For `OffloadEnd.publish`: raise a slot's flag over a stale `published` (after a fresh
+    gather: `offload.repeat_publish`; after none: `offload.stale_rows`, see `before_gather`)."""
     if not ACTIVE:
         return None
 
     def cut(layer: int, step: int) -> bool:
-        if hit("offload.repeat_publish", rank) is None:
+        if _skipped.get(rank) != step and hit("offload.repeat_publish", rank) is None:
             return False
-        block.set_published(layer, step - 1)
-        block.flags[layer][0] = 1
+        block.flags[layer][0] = 1  # `published` stays at step - 1
         return True
 
     return cut
 
 
+_skipped: dict[int, int] = {}  # rank -> the step whose gather `offload.stale_rows` skipped
+
+
 def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
-                  gather: Callable[[int, np.ndarray, np.ndarray], None]) -> None:
-    """Park, take the segment away, or die half way through the gather, as the plan says."""
+                  gather: Callable[[int, np.ndarray, np.ndarray], None],
+                  ) -> Callable[[int, np.ndarray, np.ndarray], None]:
+    """Park, take the segment away, die half way through the gather, or skip it, as the plan
+    says; returns the gather the publish is to use."""
     if (fault := hit("offload.park_before_publish", rank)) is not None:
         time.sleep(fault.arg or 1e9)
     if hit("offload.truncate_segment", rank) is not None:
@@ -152,6 +160,22 @@ def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
         half = ids.shape[0] // 2
         gather(0, ids[:half], block.slots[0][:half])
         os._exit(1)
+    if hit("offload.stale_rows", rank) is not None:
+        _skipped[rank] = block.posted  # the slots keep the previous step's rows
+
+        def no_gather(layer: int, ids: np.ndarray, out: np.ndarray) -> None:
+            return None
+
+        return no_gather
+    return gather
+
+
+def after_release(block: ControlBlock, rank: int, step: int) -> None:
+    """After the worker released `step`: write `released` wrong, or leave a flag up."""
+    if hit("worker.corrupt_released", rank) is not None:
+        block.released = step + 7
+    if hit("worker.flag_left_up", rank) is not None:
+        block.flags[-1][0] = 1
 
 
 def arm(path: str, faults: list[Fault]) -> None:

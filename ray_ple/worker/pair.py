@@ -96,8 +96,8 @@ class WorkerPair:
             time.sleep(f.arg or 1e9)
         self.transport.release(s)
         w.end_step(s)
-        if faults.ACTIVE and faults.hit("worker.corrupt_released", w.rank):
-            self.block.released = s + 7
+        if faults.ACTIVE:
+            faults.after_release(self.block, w.rank, s)
 
     @contextmanager
     def local_forward(self) -> Iterator[None]:
