@@ -16,17 +16,22 @@ os.environ.setdefault("RAY_PLE_CACHE", os.path.join(tempfile.gettempdir(), "ray-
 
 import pytest  # noqa: E402
 
-from tests.leftovers import ple_processes, ple_shm_entries  # noqa: E402
+from tests.leftovers import footprint, ple_processes, ple_shm_entries  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
-    """After the whole suite, nothing of ray-ple remains in /dev/shm or the process table."""
+    """After the whole suite, nothing of ray-ple remains: no process, no name in /dev/shm,
+    and the memory that has no name (memfd tables, O_TMPFILE pairs; pinned memory) back to
+    its level within `tests.leftovers.SHMEM_TOLERANCE` (other processes move it too)."""
+    base = footprint([])
     yield
     import time
 
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (ple_shm_entries() or ple_processes()):
+    while time.monotonic() < deadline and (ple_shm_entries() or ple_processes()
+                                           or footprint([]).differs(base)):
         time.sleep(1)
     assert ple_shm_entries() == []
     assert ple_processes() == []
+    assert footprint([]).differs(base) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -44,6 +45,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     stream: bool = False
     error: str = ""
+    t_start: float = 0.0
 
 
 class Clients:
@@ -72,10 +74,12 @@ class Clients:
             i = rng.randrange(len(PROMPTS))
             body = {"model": "tiny-gemma4", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
                     "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            t_start = time.time()
             try:
                 outcome = self._stream(i, body) if stream else self._plain(i, body)
             except requests.RequestException as exc:
                 outcome = Outcome(time.time(), i, False, stream=stream, error=repr(exc)[:200])
+            outcome.t_start = t_start
             with self._lock:
                 self.outcomes.append(outcome)
             if not outcome.ok:
@@ -123,6 +127,11 @@ class Clients:
             times = [o.t_end for o in self.outcomes if o.ok and o.t_end > t]
         return min(times) if times else None
 
+    def between(self, t0: float, t1: float) -> list[Outcome]:
+        """Requests that started in [t0, t1)."""
+        with self._lock:
+            return [o for o in self.outcomes if t0 <= o.t_start < t1]
+
     def counts(self) -> tuple[int, int]:
         with self._lock:
             ok = sum(o.ok for o in self.outcomes)
@@ -131,8 +140,15 @@ class Clients:
 
 def supervisor_pids() -> dict[int, str]:
     """Process roles of the live, serving replica, as its supervisor knows them."""
+    replicas = serving_replicas()
+    return replicas[0] if replicas else {}
+
+
+def serving_replicas() -> list[dict[int, str]]:
+    """Process roles of every live, serving replica, as their supervisors know them."""
     import ray
 
+    out = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if not entry["name"].startswith("ray-ple-supervisor-"):
             continue
@@ -143,8 +159,8 @@ def supervisor_pids() -> dict[int, str]:
             continue
         if any(r.startswith("worker") for r in pids.values()) and len(alive(list(pids))) == len(
                 pids):
-            return pids
-    return {}
+            out.append(pids)
+    return out
 
 
 def pid_of(role: str) -> int:
@@ -180,5 +196,62 @@ def fired_at(marker: Path, timeout: float = 120) -> float:
     raise TimeoutError(f"fault {marker.name} never fired")
 
 
-__all__ = ["Clients", "app_args", "pid_of", "signal_pid", "alive", "fired_at", "signal",
+class LogTail:
+    """Lines appended to a Ray session's log files (every node of a local cluster writes
+    under one session directory) since the last `mark()`: the sides' and the supervisor's
+    `verdict` lines, and the errors a replica's setup ends with."""
+
+    _VERDICT = re.compile(r'\{"ray_ple":"verdict".*\}')
+
+    def __init__(self, logs_dir: str) -> None:
+        self.dir = Path(logs_dir)
+        self._offsets: dict[Path, int] = {}
+        self._lines: list[str] = []
+        self.mark()
+
+    def _read(self) -> None:
+        for path in self.dir.rglob("*"):
+            if path.suffix not in (".out", ".err", ".log") or not path.is_file():
+                continue
+            start = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1  # whole lines only
+            self._offsets[path] = start + end
+            self._lines += data[:end].decode(errors="replace").splitlines()
+
+    def mark(self) -> None:
+        self._read()
+        self._lines = []
+
+    def find(self, text: str, timeout: float = 0.0) -> str | None:
+        """The first line since the mark that contains `text` (waiting up to `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._read()
+            for line in self._lines:
+                if text in line:
+                    return line
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
+
+    def verdicts(self, timeout: float = 5.0, until: str = "supervisor") -> list[dict]:
+        """Every `verdict` line since the mark, earliest first (waiting up to `timeout` for
+        one written `where=until`): which side named the cause, and when."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._read()
+            found = sorted((json.loads(m.group(0)) for line in self._lines
+                            if (m := self._VERDICT.search(line))), key=lambda v: v["ts"])
+            if any(v.get("where") == until for v in found) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.25)
+
+
+__all__ = ["LogTail", "Clients", "app_args", "pid_of", "signal_pid", "alive", "fired_at", "signal",
            "supervisor_pids", "PROMPTS", "MAX_TOKENS"]

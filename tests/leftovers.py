@@ -1,14 +1,98 @@
-"""What a ray-ple run could leave behind: named segments and processes."""
+"""What a ray-ple run could leave behind: memory, processes, and named segments.
+
+Pair segments and node tables have no name once set up (O_TMPFILE, memfd), so a leak of them
+shows only as memory: `Shmem` in /proc/meminfo, which counts every tmpfs page, named or not.
+"""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
+from typing import NamedTuple
 
 import psutil
+
+from ray_ple.protocol.shm import shmem_bytes
+
+# Tolerance for `Footprint.nameless_shmem` coming back to its level after a replica ends.
+# Other processes on the machine (concurrent vLLM engines of other test runs, other Ray
+# clusters) move Shmem by hundreds of MiB at a time; most of that is named (vLLM's message
+# queues, 160 and 240 MiB each, live in /dev/shm) and is subtracted. What remains moving is
+# shared anonymous memory and unlinked files of other processes (a Ray object store holds
+# only what is put in it). 64 MiB stays below one leaked vLLM queue and above that churn;
+# a leaked tiny pair segment (KiB) stays below it, and is caught by the process checks (a
+# nameless segment lives exactly as long as a process holds it).
+SHMEM_TOLERANCE = 64 << 20
+MLOCK_TOLERANCE = 16 << 20
 
 
 def ple_shm_entries(shm_dir: str = "/dev/shm") -> list[str]:
     return sorted(n for n in os.listdir(shm_dir) if "ray-ple" in n)
+
+
+def named_shm_bytes(shm_dir: str = "/dev/shm") -> int:
+    """Bytes allocated to files that have a name under `shm_dir`."""
+    total = 0
+    for root, _dirs, files in os.walk(shm_dir):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:  # gone meanwhile
+                pass
+    return total
+
+
+def meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class Footprint(NamedTuple):
+    """What the running processes of a cluster hold, as memory and as processes."""
+
+    nameless_shmem: int  # Shmem minus the named /dev/shm files: memfds, O_TMPFILE, shared anon
+    mlocked: int  # pinned (mlock'ed) memory, system-wide
+    processes: Counter  # title -> count, of processes under the given raylets (idle excluded)
+
+    def differs(self, base: Footprint) -> list[str]:
+        out = []
+        if abs(self.nameless_shmem - base.nameless_shmem) > SHMEM_TOLERANCE:
+            out.append(f"nameless Shmem {base.nameless_shmem >> 20} -> "
+                       f"{self.nameless_shmem >> 20} MiB")
+        if abs(self.mlocked - base.mlocked) > MLOCK_TOLERANCE:
+            out.append(f"Mlocked {base.mlocked >> 20} -> {self.mlocked >> 20} MiB")
+        if self.processes != base.processes:
+            out.append(f"processes {dict(base.processes)} -> {dict(self.processes)}")
+        return out
+
+
+def cluster_processes(raylets: list[int]) -> Counter:
+    """Titles of the working processes under these raylets (Ray's idle workers left out)."""
+    titles: Counter = Counter()
+    for pid in raylets:
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in children:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if not cmd.startswith(("ray::", "VLLM")) or "IDLE" in cmd:
+                continue
+            titles[cmd.split()[0].split(".")[0][:60]] += 1  # ray::Class, not .method
+    return titles
+
+
+def footprint(raylets: list[int]) -> Footprint:
+    return Footprint(shmem_bytes() - named_shm_bytes(), meminfo("Mlocked"),
+                     cluster_processes(raylets))
 
 
 def ple_processes() -> list[str]:
@@ -23,4 +107,3 @@ def ple_processes() -> list[str]:
                                   "offload_proc.py")):
             found.append(f"{p.info['pid']}: {cmd[:120]}")
     return found
-

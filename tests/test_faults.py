@@ -2,9 +2,13 @@
 
 For every cut point, and for SIGKILL/SIGSTOP of an offload actor, an engine worker and a
 whole node: with clients sending requests throughout, every response is correct (identical
-to the unoffloaded reference) or an error; the replica is ended and a new one serves again;
-nothing of the old replica is left (processes, and its /dev/shm names: vLLM's message queues
-and semaphores). Times per case go to the report (RAY_PLE_FAULT_REPORT).
+to the unoffloaded reference) or an error; the verdict names the one reason the fault
+produces, and the side that found it (from the `verdict` log lines written before the
+supervisor's detection); the replica is ended and a new one serves again; nothing of the old
+replica is left: processes, memory (nameless Shmem, pinned memory, process counts back to
+their level) and its /dev/shm names (vLLM's message queues and semaphores). With two
+replicas, a fault in one costs only its in-flight requests. Times per case go to the report
+(RAY_PLE_FAULT_REPORT) and to docs/faults.md.
 """
 
 from __future__ import annotations
@@ -27,8 +31,18 @@ from ray_ple.serve.builder import PleAppArgs, build_app
 from ray_ple.supervision.engine_leftovers import SHM_DIR, in_use, shm_files_of
 from ray_ple.supervision.supervisor import read_verdicts
 from ray_ple.testing import faults
-from tests.faultrig import PROMPTS, Clients, alive, app_args, fired_at, pid_of, supervisor_pids
-from tests.leftovers import ple_shm_entries
+from tests.faultrig import (
+    PROMPTS,
+    Clients,
+    LogTail,
+    alive,
+    app_args,
+    fired_at,
+    pid_of,
+    serving_replicas,
+    supervisor_pids,
+)
+from tests.leftovers import footprint, ple_shm_entries
 
 pytestmark = pytest.mark.slow
 REPORT: list[dict] = []
@@ -67,7 +81,8 @@ def rig(tmp_path_factory):
               route_prefix="/", blocking=False)
     clients = Clients()
     state = {"cluster": cluster, "nodes": nodes, "faults_file": faults_file,
-             "reference": reference, "clients": clients}
+             "reference": reference, "clients": clients,
+             "logs": LogTail(os.path.join(cluster.head_node.get_session_dir_path(), "logs"))}
     _wait_serving(time.time() - 1, None, timeout=600)
     clients.start()
     yield state
@@ -107,6 +122,30 @@ def _wait_serving(after: float, clients: Clients | None, timeout: float = 240) -
     raise TimeoutError("the service did not come back")
 
 
+def _raylets(rig) -> list[int]:
+    return [n.all_processes["raylet"][0].process.pid
+            for n in [rig["cluster"].head_node, *rig["nodes"]]]
+
+
+def _footprint_back(rig, base, timeout: float = 45) -> list[str]:
+    """What still differs from `base` once the old replica is gone and a new one serves
+    (the old supervisor lingers METRICS_FLUSH_S after its verdict: wait for it)."""
+    deadline = time.monotonic() + timeout
+    while (diff := footprint(_raylets(rig)).differs(base)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return diff
+
+
+def _side(rig, v) -> dict:
+    """The `verdict` line of whoever found the cause: a side that failed closed before the
+    supervisor's detection, else the supervisor itself (lines after it are consequences,
+    e.g. a consumer that sees the pair FAILED)."""
+    lines = rig["logs"].verdicts()
+    causes = [ln for ln in lines if ln.get("where") != "supervisor"
+              and ln["ts"] <= v.detected_at + 0.001]
+    return causes[0] if causes else {"where": "supervisor", "reason": v.reason}
+
+
 def _left_shm(files: set[str]) -> list[str]:
     """Of an ended replica's /dev/shm files, those still named that nobody maps or holds."""
     left = {f for f in files if os.path.exists(f)}
@@ -123,8 +162,9 @@ def _new_verdict(before: set[str], timeout: float) -> object:
     raise TimeoutError("no verdict")
 
 
-def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: bool = True,
-          after_verdict=None):
+def _case(rig, name: str, inject, reason: str | None, where: str | None = None, *,
+          after_verdict=None) -> dict:
+    """Fault the serving replica; `reason` None: Ray/Serve end it (no verdict expected)."""
     clients: Clients = rig["clients"]
     _wait_serving(time.time() - 5, clients)
     old = supervisor_pids()
@@ -132,15 +172,20 @@ def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: b
     before = set(read_verdicts())
     shm_files = shm_files_of(old)  # vLLM's message queues and semaphores among them
     assert any(f.startswith(SHM_DIR + "psm_") for f in shm_files), shm_files
+    base = footprint(_raylets(rig))
+    rig["logs"].mark()
     t_inject = inject()
     row = {"case": name}
     after = t_inject
-    if verdict:
+    if reason is not None:
         v = _new_verdict(before, timeout=30)
-        assert v.reason in expect_reasons, v
-        assert v.survivors == [], v
-        row.update(reason=v.reason, detect_s=round(v.detected_at - t_inject, 3),
+        side = _side(rig, v)
+        row.update(reason=v.reason, where=side["where"],
+                   detect_s=round(v.detected_at - t_inject, 3),
                    gone_after_detect_s=v.detect_to_gone_s)
+        assert (v.reason, side["reason"]) == (reason, reason), (v, side)
+        assert where is None or side["where"] == where, (v, side)
+        assert v.survivors == (), v
         after = v.gone_at
         if after_verdict is not None:
             after_verdict()
@@ -151,12 +196,14 @@ def _case(rig, name: str, inject, expect_reasons: tuple[str, ...], *, verdict: b
         time.sleep(0.1)
     assert alive(list(old)) == [], f"old replica processes left: {alive(list(old))}"
     assert ple_shm_entries() == []
-    if verdict:
+    if reason is not None:
         assert _left_shm(shm_files) == [], "/dev/shm names left by the ended replica"
+    assert _footprint_back(rig, base) == [], "memory or processes of the old replica left"
     assert clients.wrong(rig["reference"]) == []
     row["responses_ok_err"] = clients.counts()
     REPORT.append(row)
     print(json.dumps(row))
+    return row
 
 
 def _arm(rig, point: str, *, at: int = 3, arg: float = 0.0) -> float:
@@ -165,17 +212,103 @@ def _arm(rig, point: str, *, at: int = 3, arg: float = 0.0) -> float:
     return fired_at(Path(faults.marker(fid, rig["faults_file"])))
 
 
+def _deploy(rig, num_replicas: int) -> None:
+    args = app_args(rig["faults_file"])
+    args["llm_configs"][0]["deployment_config"]["num_replicas"] = num_replicas
+    serve.run(build_app(PleAppArgs.model_validate(args)), name="ple", route_prefix="/",
+              blocking=False)
+
+
+def _wait_replicas(n: int, timeout: float = 300) -> list[dict[int, str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(replicas := serving_replicas()) == n:
+            return replicas
+        time.sleep(0.5)
+    raise TimeoutError(f"{n} replicas never served")
+
+
+def _wait_settled(n: int, timeout: float = 300) -> None:
+    """Every deployment of the app RUNNING, the LLM one with `n` replicas and no other."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        deps = serve.status().applications["ple"].deployments.values()
+        states = [{str(getattr(k, "value", k)): c for k, c in d.replica_states.items()}
+                  for d in deps]
+        if all(set(st) == {"RUNNING"} for st in states) and max(
+                st["RUNNING"] for st in states) == n and len(serving_replicas()) == n:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the app never settled at {n} replicas")
+
+
+def test_two_replicas_fault_costs_one(rig):
+    """Two replicas (one per node), clients throughout; a pair fault in one of them
+    (`worker.corrupt_released`: this is also its matrix row) ends only that replica: the
+    errors are its in-flight requests, and every request that arrives after the verdict
+    succeeds (Serve routes it to the other replica). Then back to one replica."""
+    clients: Clients = rig["clients"]
+    _wait_serving(time.time() - 5, clients)
+    _deploy(rig, 2)
+    first, second = _wait_replicas(2)
+    time.sleep(3)  # let both take traffic
+    before = set(read_verdicts())
+    rig["logs"].mark()
+    n_clients = 3
+    t_inject = _arm(rig, "worker.corrupt_released")
+    v = _new_verdict(before, timeout=30)
+    side = _side(rig, v)
+    assert v.reason == "INVARIANT", v  # the supervisor or the next step's begin: same rule
+    assert v.survivors == (), v
+    ended = next(r for r in (first, second) if set(r) & set(v.pids))
+    kept = second if ended is first else first
+    assert alive(list(kept)) == list(kept), "the other replica must not be touched"
+    time.sleep(10)  # requests keep arriving while the ended replica restarts
+    hit = [o for o in clients.between(0, v.gone_at) if o.t_end >= t_inject and not o.ok]
+    after = clients.between(v.gone_at, time.time())
+    assert len(hit) <= n_clients, hit  # one in flight per client at most
+    assert after and all(o.ok for o in after), [o for o in after if not o.ok]
+    assert clients.wrong(rig["reference"]) == []
+    row = {"case": "two replicas: worker.corrupt_released in one", "reason": v.reason,
+           "where": side["where"], "detect_s": round(v.detected_at - t_inject, 3),
+           "gone_after_detect_s": v.detect_to_gone_s, "requests_failed": len(hit),
+           "requests_after_verdict_ok": len(after)}
+    REPORT.append(row)
+    print(json.dumps(row))
+    _deploy(rig, 1)  # Serve stops the ended replica's replacement while it starts
+    _wait_settled(1)
+
+
+# (cut, its one reason, the side that finds it; None: two finders race to the same reason).
+# The supervisor reads a FAILED pair's first reason before it looks at liveness, and a side
+# that fails closed marks FAILED before it exits, so a side's reason is the verdict's.
 CUTS = [
-    # the engine core stops its worker on the error: dead, or hung on the way out
-    ("worker.raise_before_post", ("PEER_DEAD", "HEARTBEAT")),
-    ("worker.raise_after_post", ("ABANDONED", "PEER_DEAD")),
-    ("worker.lost_post", ("CONSUME_WAIT", "PEER_DEAD")),
-    ("worker.skip_post", ("COUNTER_SKIP", "PEER_DEAD")),
-    ("worker.stall_before_release", ("STEP_DEADLINE",)),
-    ("offload.park_before_publish", ("PUBLISH_DEADLINE",)),
-    ("offload.die_mid_gather", ("PEER_DEAD",)),
-    ("offload.repeat_publish", ("INVARIANT", "PEER_DEAD")),
-    ("offload.truncate_segment", ("SEGMENT_LOST", "PEER_DEAD")),
+    # Nothing is posted, so no rule of the pair breaks: vLLM's engine core dies of the
+    # exception on its own (its process exits), and the supervisor sees the worker gone.
+    ("worker.raise_before_post", "PEER_DEAD", "supervisor"),
+    ("worker.raise_after_post", "ABANDONED", "worker"),
+    ("worker.lost_post", "CONSUME_WAIT", "consumer"),  # at step_s
+    # The offload side is woken by the doorbell and sees the jump first; the supervisor
+    # would call the same counters INVARIANT only if it polled inside that wake-up (us).
+    ("worker.skip_post", "COUNTER_SKIP", "offload"),
+    # The offload side and the supervisor keep the same step_s deadline on the same step.
+    ("worker.stall_before_release", "STEP_DEADLINE", None),
+    # The parked offload side stops beating; the consumer's step_s (4 s) comes before its
+    # heartbeat_s (5 s) and the supervisor's publish backstop (offload_wait_s + heartbeat_s).
+    ("offload.park_before_publish", "CONSUME_WAIT", "consumer"),
+    ("offload.die_mid_gather", "PEER_DEAD", "supervisor"),
+    # Fresh rows, stale `published`: the consumer's `published == step` check.
+    ("offload.repeat_publish", "INVARIANT", "consumer"),
+    # No gather, stale `published`: the same check, and without it stale rows reach the model.
+    ("offload.stale_rows", "INVARIANT", "consumer"),
+    # Rows never written, `published` current: only the slot's step stamp (written with the
+    # rows, checked by the consumer) tells.
+    ("offload.flag_without_gather", "INVARIANT", "consumer"),
+    # A flag left up after the release: the next step's consumer finds it up over the last
+    # step's `published` before the offload side (waiting for flag == 0) can gather.
+    ("worker.flag_left_up", "INVARIANT", "consumer"),
+    # The supervisor's snapshot reads the segment with pread first, whoever else dies of it.
+    ("offload.truncate_segment", "SEGMENT_LOST", "supervisor"),
 ]
 
 
@@ -203,32 +336,33 @@ def _scrape(rig, wanted: set[str], timeout: float = 10.0) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("point, reasons", CUTS, ids=[c[0] for c in CUTS])
-def test_cut_point(rig, point, reasons):
+@pytest.mark.parametrize("point, reason, where", CUTS, ids=[c[0] for c in CUTS])
+def test_cut_point(rig, point, reason, where):
     # a deadline verdict gives every metric a value: scrape them while its supervisor lingers
     scrape = point == "worker.stall_before_release"
     seen: set[str] = set()
-    _case(rig, point, lambda: _arm(rig, point), reasons,
+    _case(rig, point, lambda: _arm(rig, point), reason, where,
           after_verdict=(lambda: seen.update(_scrape(rig, METRICS))) if scrape else None)
     if scrape:
         assert seen == METRICS
 
 
-SIGNALS = [  # (signal, role, a setup fault armed for the next replica)
-    (signal.SIGKILL, "offload[0]", "offload.corrupt_handle"),
-    (signal.SIGKILL, "worker[0]", "offload.die_during_setup"),
-    (signal.SIGSTOP, "offload[0]", None),
-    (signal.SIGSTOP, "worker[0]", None),
+SIGNALS = [  # (signal, role, a setup fault armed for the next replica, its error)
+    (signal.SIGKILL, "offload[0]", "offload.corrupt_handle",
+     "segment token of rank 0 differs from the handle"),
+    (signal.SIGKILL, "worker[0]", "offload.die_during_setup",
+     "an offload actor died during setup"),
+    (signal.SIGSTOP, "offload[0]", None, None),
+    (signal.SIGSTOP, "worker[0]", None, None),
 ]
 
 
-@pytest.mark.parametrize("sig, role, next_setup_fault", SIGNALS,
-                         ids=[f"{s.name}-{r}" for s, r, _ in SIGNALS])
-def test_process_signal(rig, sig, role, next_setup_fault):
+@pytest.mark.parametrize("sig, role, next_setup_fault, next_error", SIGNALS,
+                         ids=[f"{s.name}-{r}" for s, r, _, _ in SIGNALS])
+def test_process_signal(rig, sig, role, next_setup_fault, next_error):
     """Signal one process of the replica. With a setup fault armed, the next replica's setup
-    fails with one clear error (handle rejected / offload actor gone) and the one after it
-    serves: that is the setup-fault case, riding on this one's restart."""
-    fid = None
+    fails with its one clear error (found in the cluster's logs: the replica's traceback) and
+    the one after it serves: that is the setup-fault case, riding on this one's restart."""
     if next_setup_fault:
         fid = f"{next_setup_fault.replace('.', '-')}-{time.time_ns()}"
         faults.arm(rig["faults_file"], [faults.Fault(id=fid, point=next_setup_fault, at=1)])
@@ -239,10 +373,14 @@ def test_process_signal(rig, sig, role, next_setup_fault):
         os.kill(pid, sig)
         return t
 
-    name = f"{sig.name} {role}" + (f" + next replica {next_setup_fault}" if fid else "")
-    _case(rig, name, inject, ("PEER_DEAD",) if sig == signal.SIGKILL else ("PEER_STOPPED",))
-    if fid:
-        assert Path(faults.marker(fid, rig["faults_file"])).exists(), "the setup fault fired"
+    name = f"{sig.name} {role}" + (f" + next replica {next_setup_fault}" if next_setup_fault
+                                   else "")
+    row = _case(rig, name, inject, "PEER_DEAD" if sig == signal.SIGKILL else "PEER_STOPPED",
+                "supervisor")
+    if next_error:
+        line = rig["logs"].find(next_error, timeout=30)
+        assert line is not None, f"the next replica's setup did not fail with {next_error!r}"
+        row["next_replica_error"] = line.strip()[-300:]
 
 
 def test_shm_names_removed_under_a_live_pair(rig):
@@ -279,7 +417,7 @@ def test_node_sigstop(rig):
         return t
 
     try:
-        _case(rig, "SIGSTOP node (raylet)", inject, ("PEER_STOPPED",))
+        _case(rig, "SIGSTOP node (raylet)", inject, "PEER_STOPPED", "supervisor")
     finally:
         os.kill(raylet, signal.SIGCONT)
         rig["cluster"].remove_node(node, allow_graceful=False)
@@ -296,21 +434,25 @@ def test_node_sigkill(rig):
         rig["nodes"].remove(node)
         return t
 
-    _case(rig, "SIGKILL node (raylet)", inject, (), verdict=False)
+    _case(rig, "SIGKILL node (raylet)", inject, None)
 
 
-SOAK_S = float(os.environ.get("RAY_PLE_SOAK_S", "90"))  # the recorded run: 150
+# The soak adds what the rows cannot: cuts at random steps, and kills at random moments.
+# Each fault costs a replica start (~50 s on 2 cores), so it injects a fixed number of them
+# (two by default: one more than a single row) rather than running for a fixed time.
+SOAK_FAULTS = int(os.environ.get("RAY_PLE_SOAK_FAULTS", "2"))
 SOAK_CUTS = ["offload.die_mid_gather", "worker.skip_post", "offload.repeat_publish",
-             "worker.raise_after_post", "worker.corrupt_released"]
+             "worker.raise_after_post", "worker.corrupt_released", "offload.stale_rows",
+             "worker.flag_left_up"]
 
 
 def test_soak_random_faults(rig):
-    """Concurrent clients, repeated random faults at random steps: zero wrong outputs."""
+    """Concurrent clients, random faults at random steps: zero wrong outputs."""
     rng = random.Random(int(os.environ.get("RAY_PLE_SOAK_SEED", "7")))
     clients: Clients = rig["clients"]
-    end = time.monotonic() + SOAK_S
+    t0 = time.monotonic()
     injected = []
-    while time.monotonic() < end:
+    for _ in range(SOAK_FAULTS):
         _wait_serving(time.time() - 5, clients)
         time.sleep(rng.uniform(0.5, 4))
         before = set(read_verdicts())
@@ -326,11 +468,10 @@ def test_soak_random_faults(rig):
             os.kill(pid_of(role), signal.SIGKILL)
             injected.append(f"SIGKILL {role}")
         v = _new_verdict(before, timeout=30)
-        assert v.survivors == [], v
+        assert v.survivors == (), v
+        injected[-1] += f" -> {v.reason}"
     _wait_serving(time.time(), clients)
-    assert len(injected) >= 2, injected
     assert clients.wrong(rig["reference"]) == []
     ok, err = clients.counts()
-    REPORT.append({"case": "soak", "seconds": SOAK_S, "faults": injected,
+    REPORT.append({"case": "soak", "seconds": round(time.monotonic() - t0), "faults": injected,
                    "responses_ok_err": [ok, err]})
-

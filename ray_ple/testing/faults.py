@@ -44,6 +44,7 @@ CutPoint = Literal[
     "offload.repeat_publish",  # fresh rows, flag raised with a stale `published`
     "offload.stale_rows",  # no gather: flag raised over the previous step's rows, `published`
     #                        left at the previous step
+    "offload.flag_without_gather",  # no gather, no stamp: `published` = the step, flag raised
     "offload.corrupt_handle",  # setup hands out a handle with a wrong token
     "offload.die_during_setup",  # the process dies while setting up
     "offload.truncate_segment",  # the pair segment's memory is taken away under a live pair
@@ -131,20 +132,25 @@ def post_cut(block: ControlBlock) -> Cut | None:
 
 def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
     """For `OffloadEnd.publish`: raise a slot's flag over a stale `published` (after a fresh
-    gather: `offload.repeat_publish`; after none: `offload.stale_rows`, see `before_gather`)."""
+    gather: `offload.repeat_publish`; after none: `offload.stale_rows`), or over a current
+    `published` but rows never written (`offload.flag_without_gather`: the slot's step stamp,
+    written with the rows, stays at the previous step). See `before_gather`."""
     if not ACTIVE:
         return None
 
     def cut(layer: int, step: int) -> bool:
-        if _skipped.get(rank) != step and hit("offload.repeat_publish", rank) is None:
+        skipped = _skipped.get(rank, (0, ""))
+        if skipped[0] != step and hit("offload.repeat_publish", rank) is None:
             return False
-        block.flags[layer][0] = 1  # `published` stays at step - 1
+        if skipped == (step, "offload.flag_without_gather"):
+            block.set_published(layer, step)
+        block.flags[layer][0] = 1  # otherwise `published` stays at step - 1
         return True
 
     return cut
 
 
-_skipped: dict[int, int] = {}  # rank -> the step whose gather `offload.stale_rows` skipped
+_skipped: dict[int, tuple[int, str]] = {}  # rank -> (step, cut) whose gather was skipped
 
 
 def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
@@ -160,8 +166,8 @@ def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
         half = ids.shape[0] // 2
         gather(0, ids[:half], block.slots[0][:half])
         os._exit(1)
-    if hit("offload.stale_rows", rank) is not None:
-        _skipped[rank] = block.posted  # the slots keep the previous step's rows
+    if (fault := hit("offload.stale_rows", rank) or hit("offload.flag_without_gather", rank)):
+        _skipped[rank] = (block.posted, fault.point)  # the slots keep the last step's rows
 
         def no_gather(layer: int, ids: np.ndarray, out: np.ndarray) -> None:
             return None
