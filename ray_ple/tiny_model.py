@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from ray_ple.base import Frozen
 from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
@@ -24,10 +25,9 @@ SCHEME = "ray-ple://"
 FORMAT_VERSION = 1
 
 
-class TinySpec(BaseModel):
-    """Shape of a locally built Gemma 4 (head_dim 32 or 64: vLLM-CPU rejects 16)."""
+class _TinyShape(Frozen):
+    """What every locally built Gemma shares (head_dim 32 or 64: vLLM-CPU rejects 16)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     vocab_size: int = 256
     vocab_size_per_layer_input: int = 256
     hidden_size: int = 64
@@ -40,30 +40,22 @@ class TinySpec(BaseModel):
     sliding_window: int = 16
     max_position_embeddings: int = 512
     seed: int = 0
-    multimodal: bool = Field(False, description="saved as Gemma4ForConditionalGeneration")
+    multimodal: bool = Field(False, description="saved in the released multimodal layout")
 
 
-class TinyGemma3nSpec(BaseModel):
+class TinySpec(_TinyShape):
+    """Shape of a locally built Gemma 4."""
+
+
+class TinyGemma3nSpec(_TinyShape):
     """Shape of a locally built text Gemma 3n: the last `num_kv_shared_layers` reuse KV."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     family: Literal["gemma3n"] = "gemma3n"
-    vocab_size: int = 256
     vocab_size_per_layer_input: int = 192
-    hidden_size: int = 64
-    intermediate_size: int = 128
     num_hidden_layers: int = 4
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
-    head_dim: int = Field(32, description="32 or 64")
-    hidden_size_per_layer_input: int = 16
-    sliding_window: int = 16
-    max_position_embeddings: int = 512
     altup_num_inputs: int = 4
     num_kv_shared_layers: int = 2
     laurel_rank: int = 8
-    seed: int = 0
-    multimodal: bool = Field(False, description="saved as Gemma3nForConditionalGeneration")
 
 
 AnySpec = TinySpec | TinyGemma3nSpec

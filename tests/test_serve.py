@@ -1,12 +1,15 @@
 """The main job: `serve run serve_configs/ple.yaml` serves the OpenAI API with the offload.
 
-The test config is the shipped one plus two things: the offloaded model gets two replicas
-(they must share one host table), and the same model is also served with `ple.enabled: false`
-as the unoffloaded reference, in the same run.
+The test config is the shipped one plus three things: the offloaded model gets two replicas
+(they must share one host table), the same model is also served with `ple.enabled: false` as
+the unoffloaded reference, and the tiny Gemma 3n of `serve_configs/gemma3n-tiny-cpu.yaml`
+(multimodal layout, served as text) joins them, all in one run: one cluster start for all.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import time
@@ -37,18 +40,22 @@ def served(tmp_path_factory):
     plain["deployment_config"]["num_replicas"] = 1
     plain["ple"] = {"enabled": False}
     app["args"]["llm_configs"].append(plain)
+    app["args"]["llm_configs"] += load_config("gemma3n-tiny-cpu.yaml")["applications"][0][
+        "args"]["llm_configs"]
     # three replicas and the ingress on a 2-CPU machine: smaller logical CPU shares
     for llm in app["args"]["llm_configs"]:
         llm["placement_group_config"]["bundle_per_worker"] = {"CPU": 0.25}
         llm["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.125}
-    offload["ple"]["offload_num_cpus"] = 0.125
+    for llm in app["args"]["llm_configs"]:
+        if llm.get("ple", {}).get("enabled", True):
+            llm["ple"]["offload_num_cpus"] = 0.125
     app["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0.1}}
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "ple-test.yaml").write_text(yaml.safe_dump(cfg))
     run = ServeRun(tmp / "ple-test.yaml", tmp / "serve.log")
     try:
-        run.wait_ready("tiny-gemma4")
-        run.wait_ready("tiny-gemma4-plain")
+        for model in ("tiny-gemma4", "tiny-gemma4-plain", "tiny-gemma3n"):
+            run.wait_ready(model)
         yield run
     finally:
         run.stop()
@@ -56,7 +63,7 @@ def served(tmp_path_factory):
 
 def test_models_listed(served):
     ids = {m["id"] for m in requests.get(f"{BASE}/v1/models", timeout=30).json()["data"]}
-    assert {"tiny-gemma4", "tiny-gemma4-plain"} <= ids
+    assert {"tiny-gemma4", "tiny-gemma4-plain", "tiny-gemma3n"} <= ids
 
 
 def test_completions_identical_to_unoffloaded_and_hf(served):
@@ -87,9 +94,60 @@ def test_chat_and_streaming(served):
 
 def test_two_replicas_share_one_host_table(served):
     pids = offload_pids()
-    assert len(pids) == 2, "one offload actor per replica (one engine worker each)"
-    tables = [table_mappings(pid) for pid in pids]
-    assert tables[0] and tables[0] == tables[1], "both map the same node table segment"
+    assert len(pids) == 3, "one offload actor per replica (one engine worker each)"
+    by_table: dict[frozenset, list[int]] = {}
+    for pid in pids:
+        by_table.setdefault(frozenset(table_mappings(pid)), []).append(pid)
+    assert all(by_table), "every offload actor maps a node table"
+    assert sorted(len(p) for p in by_table.values()) == [1, 2], \
+        "the two Gemma 4 replicas map one table segment; the Gemma 3n replica its own"
+
+
+# Images and audio: the models are served as text; a request with media is refused (400)
+def _png() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav() -> str:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(b"\0\0" * 1600)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+MEDIA = {
+    "image": lambda: {"type": "image_url", "image_url": {"url": _png()}},
+    "audio": lambda: {"type": "input_audio", "input_audio": {"data": _wav(), "format": "wav"}},
+}
+MEDIA_MODELS = ["tiny-gemma4", "tiny-gemma3n"]
+
+
+def test_gemma3n_served_offloaded_agrees_with_hf(served):
+    prompts = [[5, 6, 7, 8], [9, 30, 31, 200, 201, 255]]
+    got = [complete("tiny-gemma3n", p)["choices"][0]["token_ids"] for p in prompts]
+    # the multimodal layout holds the same weights as the text preset HF loads
+    problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma3n"])), prompts, got)
+    assert problems == [] and near_ties <= 2
+
+
+@pytest.mark.parametrize("model", MEDIA_MODELS)
+@pytest.mark.parametrize("media", sorted(MEDIA))
+def test_a_request_with_media_is_refused_and_the_replica_keeps_serving(served, model, media):
+    before = sorted(offload_pids())
+    body = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [{
+        "role": "user", "content": [{"type": "text", "text": "w5 w6"}, MEDIA[media]()]}]}
+    r = requests.post(f"{BASE}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "multimodal" in r.json()["error"]["message"].lower(), r.text
+    assert complete(model, [5, 6, 7])["choices"][0]["token_ids"], "still serving"
+    assert sorted(offload_pids()) == before, "no replica was replaced"
 
 
 def _replica_trees(server_cls: str) -> list[int]:
