@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,6 +51,12 @@ class ServeRun:
         raise TimeoutError(f"{model} not served in {timeout}s: {self.log.read_text()[-4000:]}")
 
     def stop(self, timeout: float = 60) -> None:
+        """Ctrl-C, as a user would; then whatever of this run's own Ray cluster is left (its
+        processes descend from `serve run`), never another cluster on the machine."""
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -57,8 +64,11 @@ class ServeRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"],
-                       capture_output=True, env={**os.environ, "RAY_ADDRESS": ""})
+        left = [p for p in tree if p.is_running()]
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
         self._out.close()
 
 
