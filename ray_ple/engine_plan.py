@@ -93,7 +93,7 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     max_tokens = slot_tokens(ple, kw)
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
-                                    engine_dtype=kw.get("dtype"))
+                                    engine_dtype=kw.get("dtype"), parts=ple.parts)
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
                                  deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)

@@ -185,6 +185,16 @@ def not_ready(p: Pair) -> None:
 def wrong_row_count(p: Pair) -> None:
     t = p.cpu_transport()
     t.worker.begin(np.array([1, 2, 3], dtype=np.int32))
+    p.block.set_stamp(0, 1)
+    p.block.set_published(0, 1)
+    p.block.flags[0][0] = 1
+    t.pull(0, _rows(2))
+
+
+def stale_stamp(p: Pair) -> None:
+    t = p.cpu_transport()
+    t.worker.begin(np.array([1, 2], dtype=np.int32))
+    p.block.set_stamp(0, 0)  # `published` and the flag say step 1, the rows are step 0's
     p.block.set_published(0, 1)
     p.block.flags[0][0] = 1
     t.pull(0, _rows(2))
@@ -216,11 +226,13 @@ SIDE_ROWS = [
     (Reason.NO_TRANSACTION, "consumer", pull_outside_a_step, 0, Reason.NO_TRANSACTION, 0),
     (Reason.STATE, "worker", not_ready, 0, Reason.STATE, 0),
     (Reason.GEOMETRY, "consumer", wrong_row_count, 0, Reason.GEOMETRY, 1),
+    (Reason.INVARIANT, "consumer", stale_stamp, 0, Reason.INVARIANT, 1),
 ]
+_IDS = [r[0].name if [q[0] for q in SIDE_ROWS].count(r[0]) == 1
+        else f"{r[0].name}-{r[2].__name__}" for r in SIDE_ROWS]
 
 
-@pytest.mark.parametrize("reason,side,body,step,state_reason,published", SIDE_ROWS,
-                         ids=[r[0].name for r in SIDE_ROWS])
+@pytest.mark.parametrize("reason,side,body,step,state_reason,published", SIDE_ROWS, ids=_IDS)
 def test_a_side_fails_closed(reason, side, body, step, state_reason, published):
     pair = Pair(step)
     try:

@@ -90,14 +90,15 @@ class OffloadActor:
                                      deadline_s=cfg.deadlines.startup_s) for src in spec.sources]
         fp = (self.tables[0].fingerprint if len(self.tables) == 1 else hashlib.sha256(
             "".join(t.fingerprint for t in self.tables).encode()).hexdigest())
+        self._slots = spec.geometry.slots()
         layout = PairLayout.compute(spec.geometry.max_tokens,
-                                    tuple(g.row_bytes for g in spec.geometry.layers))
+                                    tuple(s.row_bytes for s in self._slots))
         self.segment = SharedSegment.create("pair", layout.size, cfg.shm_dir)
         self.block = ControlBlock(self.segment, layout)
         self.block.write_header(self.segment.token, fp)
         self.block.set_state(State.INIT)
         self._bell = DoorbellListener(self.segment.token)
-        self._end = OffloadEnd(self.block, spec.rank, cfg.deadlines, spec.geometry.layer_names)
+        self._end = OffloadEnd(self.block, spec.rank, cfg.deadlines, spec.geometry.slot_names)
         self._gather = [RowGatherer(t.rows, layout.max_tokens, cfg.gather_threads)
                         for t in self.tables]
         self._thread = threading.Thread(target=self._serve, name="ray-ple-offload", daemon=True)
@@ -107,7 +108,7 @@ class OffloadActor:
             node_id=node_id(), actor_name=spec.actor_name,
             fingerprint=fp, geometry=spec.geometry, layout=layout)
         log_event("offload_ready", rank=spec.rank, layers=list(spec.geometry.layer_names),
-                  segment_bytes=layout.size)
+                  slots=len(self._slots), segment_bytes=layout.size)
         if faults.ACTIVE and faults.hit("offload.corrupt_handle", spec.rank):
             handle = handle.model_copy(update={"segment": handle.segment.model_copy(
                 update={"token": "0" * 32})})
@@ -115,7 +116,9 @@ class OffloadActor:
 
     # serving ----------------------------------------------------------------------------
     def _gather_layer(self, layer: int, ids, out) -> None:  # noqa: ANN001 - numpy views
-        self._gather[layer](ids, out)
+        """Slot `layer`: its part's columns of its table; ids are clipped on a first part."""
+        s = self._slots[layer]
+        self._gather[s.table_index](ids, out, s.col_offset, s.part == 0)
 
     def _serve(self) -> None:
         """Serve each posted step once; between steps, watch the worker (transaction rules)."""
@@ -144,8 +147,8 @@ class OffloadActor:
             if spin_s and wait_until(lambda last=end.last: b.posted != last, spin_s,
                                      spin_s=spin_s):
                 continue  # a post arrived while spinning: serve it on the next turn
-            if self._bell.wait(poll) and timing.ENABLED:
-                timing.record("wake", time.monotonic_ns())
+            end.sleep(lambda: self._bell.wait(poll) and timing.ENABLED
+                      and timing.record("wake", time.monotonic_ns()))
 
     def _keep_off_worker_cores(self) -> None:
         """Serve from cores the worker is not bound to, where the host has any.
@@ -191,6 +194,8 @@ class OffloadActor:
             self.block.set_state(State.CLOSED)
         if self._thread is not None:
             self._thread.join(timeout=2)
+        for g in getattr(self, "_gather", ()):
+            g.close()
         for t in self.tables:
             t.close()
         if self.segment is not None:

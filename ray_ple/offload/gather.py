@@ -1,19 +1,26 @@
 """Row gather on the offload actor: the exact bytes of each token's row, nothing computed.
 
-Ids outside `[0, rows)` read row 0, as vLLM's Gemma 4 does before its own lookup. Small steps
-use numpy (a few microseconds at T = 1); large steps may use torch's multi-threaded
-`index_select` on CPU when `gather_threads > 1` (torch then runs with CUDA hidden).
+Ids outside `[0, rows)` read row 0, as vLLM's Gemma 4 does before its own lookup. A slot is
+one part of a row (a column range of the table, `PleGeometry.slots`): the ids are clipped
+once per step (`fresh` on a table's first part), then each part copies its columns.
+
+numpy only (the offload process imports no torch): a whole row is `np.take` straight into
+the slot; a column range is fancy indexing (`np.take` on a column view would first copy the
+whole table to make it contiguous). With `gather_threads > 1`, steps of at least
+`_PARALLEL_MIN_TOKENS` tokens are split by token over a thread pool (numpy copies without
+the GIL). Ordinary stores only: the flag that follows needs no `sfence` on x86-64.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ray_ple.testing import timing
 
-_TORCH_MIN_TOKENS = 64
+_PARALLEL_MIN_TOKENS = 64
 
 
 class RowGatherer:
@@ -21,34 +28,50 @@ class RowGatherer:
         self.table = table  # (rows, row_bytes) uint8, read-only view of the node table
         self.rows = table.shape[0]
         self._idx = np.zeros(max_tokens, dtype=np.intp)
+        self._one = 0
         self._threads = threads
-        self._torch_table = None
-        if threads > 1:
-            import torch
+        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="ray-ple-gather")
+                      if threads > 1 else None)
 
-            torch.set_num_threads(threads)
-            self._torch_table = torch.from_numpy(table)
-            self._torch_idx = torch.from_numpy(self._idx)
+    def _prepare(self, ids: np.ndarray) -> None:
+        t = ids.shape[0]
+        if t == 1:
+            v = int(ids[0])
+            self._one = v if 0 <= v < self.rows else 0
+            return
+        idx = self._idx[:t]
+        np.copyto(idx, ids, casting="unsafe")
+        idx[(idx < 0) | (idx >= self.rows)] = 0
 
-    def __call__(self, ids: np.ndarray, out: np.ndarray) -> None:
+    def _copy(self, idx: np.ndarray, out: np.ndarray, c0: int) -> None:
+        w = out.shape[1]
+        if w == self.table.shape[1]:
+            # the whole row: straight into `out` (mode="clip": ids are in range here, and the
+            # default mode="raise" buffers the whole result, 3x slower)
+            np.take(self.table, idx, axis=0, out=out, mode="clip")
+        else:
+            out[...] = self.table[idx, c0:c0 + w]
+
+    def __call__(self, ids: np.ndarray, out: np.ndarray, col_offset: int = 0,
+                 fresh: bool = True) -> None:
         t_start = time.monotonic_ns() if timing.ENABLED else 0
         t = ids.shape[0]
-        if t == 1:  # one decode token: a scalar check and one row copy (~4 us less)
-            v = int(ids[0])
-            out[0] = self.table[v if 0 <= v < self.rows else 0]
-        else:
+        if fresh:
+            self._prepare(ids)
+        if t == 1:  # one decode token: one row (part) copy
+            out[0] = self.table[self._one, col_offset:col_offset + out.shape[1]]
+        elif t > 1:
             idx = self._idx[:t]
-            np.copyto(idx, ids, casting="unsafe")
-            idx[(idx < 0) | (idx >= self.rows)] = 0
-            if self._torch_table is not None and t >= _TORCH_MIN_TOKENS:
-                import torch
-
-                torch.index_select(self._torch_table, 0, self._torch_idx[:t],
-                                   out=torch.from_numpy(out))
+            if self._pool is not None and t >= _PARALLEL_MIN_TOKENS:
+                bounds = np.linspace(0, t, self._threads + 1).astype(int)
+                list(self._pool.map(lambda ab: self._copy(idx[ab[0]:ab[1]], out[ab[0]:ab[1]],
+                                                          col_offset),
+                                    zip(bounds[:-1], bounds[1:])))
             else:
-                # ids are in range here; mode="clip" lets numpy write `out` directly (the
-                # default mode="raise" buffers the whole result: 3x slower, a fresh temporary
-                # per step)
-                np.take(self.table, idx, axis=0, out=out, mode="clip")
+                self._copy(idx, out, col_offset)
         if timing.ENABLED:
             timing.record("gather", t, t_start, time.monotonic_ns())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

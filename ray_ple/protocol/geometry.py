@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_ple.errors import PleModelError
+from ray_ple.errors import PleConfigError, PleModelError
 
 DType = Literal["bfloat16", "float16", "float32"]
 ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -26,6 +26,7 @@ class ArchSpec(BaseModel):
     layer_name: str
     offload_arch: str
     checkpoint_tensors: tuple[str, ...]
+    late_waits: bool = False  # its offload class pulls each part at its first layer's gate
 
 
 # Architectures whose PLE lookup ray-ple replaces (vLLM 0.32 module prefixes).
@@ -37,6 +38,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "model.embed_tokens_per_layer.weight",
             "model.language_model.embed_tokens_per_layer.weight",
         ),
+        late_waits=True,
     ),
     # The released E2B/E4B checkpoints: served text-only through the same class (vLLM's
     # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers).
@@ -44,6 +46,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         layer_name="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
+        late_waits=True,
     ),
     # vLLM's own text Gemma3nForCausalLM never reads its PLE table (only its multimodal class
     # does); the offload class is that class's text path (worker/vllm_plugin/gemma3n.py).
@@ -82,17 +85,106 @@ class LayerGeometry(BaseModel):
         return self.rows * self.row_bytes
 
 
+class SlotGeometry(BaseModel):
+    """One slot of a pair: part `part` of table `table`, model layers `first_layer` on.
+
+    Its rows are the columns `[col_offset, col_offset + row_bytes)` (bytes) of the table's
+    rows: the `num_layers * d` values of its layers, consecutive in a row.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    table: str
+    table_index: int = Field(ge=0)
+    part: int = Field(ge=0)
+    first_layer: int = Field(ge=0)
+    num_layers: int = Field(gt=0)
+    rows: int = Field(gt=0)
+    row_elems: int = Field(gt=0)
+    col_offset: int = Field(ge=0)
+    dtype: DType
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_elems * ITEMSIZE[self.dtype]
+
+
+def slot_name(table: str, part: int, parts: int) -> str:
+    """A table of one part keeps its own name (the v1 slot); part p of several is `table#p`."""
+    return table if parts == 1 else f"{table}#{part}"
+
+
+def split_layers(num_layers: int, parts: int | Literal["auto"]) -> tuple[int, ...]:
+    """Layers per part, in order, as even as can be (earlier parts never larger).
+
+    "auto": groups of about six layers (E4B's 42 -> 7 parts, E2B's 35 -> 6, tiny ones 1):
+    enough flags that the gather runs ahead of the layers, few enough that each wait and
+    copy stays cheap.
+    """
+    n = max(1, -(-num_layers // 6)) if parts == "auto" else int(parts)
+    if not 1 <= n <= num_layers:
+        raise PleConfigError(f"ple.parts={parts}: the table's row holds {num_layers} layers, "
+                             f"so 1..{num_layers} parts")
+    base, extra = divmod(num_layers, n)
+    return tuple(base + (1 if i >= n - extra else 0) for i in range(n))
+
+
 class PleGeometry(BaseModel):
-    """Everything both sides must agree on before the first transaction."""
+    """Everything both sides must agree on before the first transaction.
+
+    `row_layers` is how many model layers a table row holds (L; each `row_elems / L` wide)
+    and `parts` how many consecutive layers each slot holds; `()` is one slot per table,
+    the whole row (layout version 1's behaviour).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     architecture: str
     max_tokens: int = Field(gt=0)
     layers: tuple[LayerGeometry, ...] = Field(min_length=1)
+    row_layers: int = Field(1, gt=0)
+    parts: tuple[int, ...] = ()
+
+    @model_validator(mode="after")
+    def _parts_cover_the_row(self) -> PleGeometry:
+        if self.parts and (sum(self.parts) != self.row_layers or min(self.parts) < 1):
+            raise ValueError(f"parts {self.parts} do not split {self.row_layers} layers")
+        for g in self.layers:
+            if g.row_elems % self.row_layers:
+                raise ValueError(f"{g.layer_name}: {g.row_elems} values per row are not "
+                                 f"{self.row_layers} layers")
+        return self
 
     @property
     def layer_names(self) -> tuple[str, ...]:
+        """The offloaded tables (model modules), one per `layers` entry."""
         return tuple(layer.layer_name for layer in self.layers)
+
+    @property
+    def part_layers(self) -> tuple[int, ...]:
+        return self.parts or (self.row_layers,)
+
+    def slots(self) -> tuple[SlotGeometry, ...]:
+        """Every slot of a pair, in publish order: per table, its parts in layer order."""
+        out: list[SlotGeometry] = []
+        n = len(self.part_layers)
+        for t, g in enumerate(self.layers):
+            d = g.row_elems // self.row_layers
+            first = 0
+            for p, k in enumerate(self.part_layers):
+                out.append(SlotGeometry(
+                    name=slot_name(g.layer_name, p, n), table=g.layer_name, table_index=t,
+                    part=p, first_layer=first, num_layers=k, rows=g.rows, row_elems=k * d,
+                    col_offset=first * d * ITEMSIZE[g.dtype], dtype=g.dtype))
+                first += k
+        return tuple(out)
+
+    def slots_of(self, table: str) -> tuple[SlotGeometry, ...]:
+        """The slots of one table, one per part, in layer order."""
+        return tuple(s for s in self.slots() if s.table == table)
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.slots())
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -118,9 +210,14 @@ def _engine_dtype(hf: dict[str, Any], engine_dtype: str | None) -> DType:
 
 
 def geometry_from_config(
-    hf: dict[str, Any], *, max_tokens: int, engine_dtype: str | None = None
+    hf: dict[str, Any], *, max_tokens: int, engine_dtype: str | None = None,
+    parts: int | Literal["auto"] = 1,
 ) -> PleGeometry:
-    """The offload geometry of a checkpoint, or one clear error if it has no PLE table."""
+    """The offload geometry of a checkpoint, or one clear error if it has no PLE table.
+
+    `parts` (`ple.parts`) splits each row into slots of consecutive layers; architectures
+    whose offload class pulls the whole row before layer 0 take one part ("auto": one).
+    """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -142,7 +239,14 @@ def geometry_from_config(
         row_elems=num_layers * ple_dim,
         dtype=_engine_dtype(hf, engine_dtype),
     )
-    return PleGeometry(architecture=arch, max_tokens=max_tokens, layers=(layer,))
+    if not ARCHITECTURES[arch].late_waits:
+        if parts not in (1, "auto"):
+            raise PleConfigError(f"ple.parts={parts}: {arch}'s offload class pulls the whole "
+                                 "row before its first layer, so one part (1 or auto)")
+        parts = 1
+    split = split_layers(num_layers, parts)
+    return PleGeometry(architecture=arch, max_tokens=max_tokens, layers=(layer,),
+                       row_layers=num_layers, parts=split if len(split) > 1 else ())
 
 
 def safetensors_dtype(code: str) -> DType:

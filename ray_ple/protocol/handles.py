@@ -14,16 +14,27 @@ from pydantic import Field
 from ray_ple.base import Frozen
 from ray_ple.errors import PleHandleError
 from ray_ple.protocol.geometry import ITEMSIZE, DType, PleGeometry
-from ray_ple.protocol.layout import LAYOUT_VERSION, MAGIC, PairLayout
+from ray_ple.protocol.layout import LAYOUT_VERSION, MAGIC, SLEEPING_OFF, PairLayout
 from ray_ple.protocol.shm import SegmentRef
 
 PAIRS_ENV = "RAY_PLE_PAIRS"  # the out-of-band payload: the engine's pair handles, as JSON
 
 
 class SlotHandle(Frozen):
-    """One offloaded layer's output slot and flag inside a pair segment."""
+    """One slot (one part of one table's row) inside a pair segment: its rows, flag, stamp.
+
+    `layer_name` is the slot's name, the key the pull op resolves (`PleGeometry.slots`:
+    the table's own name when it has one part, `table#p` for part p of several); `table`,
+    `part`, `first_layer`, `num_layers` and `col_offset` say which model layers and which
+    bytes of the table's row it holds.
+    """
 
     layer_name: str
+    table: str
+    part: int = Field(ge=0)
+    first_layer: int = Field(ge=0)
+    num_layers: int = Field(gt=0)
+    col_offset: int = Field(ge=0)
     index: int = Field(ge=0)
     rows: int = Field(gt=0)
     row_bytes: int = Field(gt=0)
@@ -33,6 +44,7 @@ class SlotHandle(Frozen):
     slot_bytes: int = Field(gt=0)
     flag_offset: int = Field(ge=0)
     published_offset: int = Field(ge=0)
+    stamp_offset: int = Field(ge=0)
 
 
 class ControlHandle(Frozen):
@@ -41,6 +53,7 @@ class ControlHandle(Frozen):
     count_offset: int = Field(ge=0)
     ids_offset: int = Field(ge=0)
     max_tokens: int = Field(gt=0)
+    sleeping_offset: int = Field(ge=0)
 
 
 class PairHandle(Frozen):
@@ -57,6 +70,7 @@ class PairHandle(Frozen):
 
     @property
     def layer_names(self) -> tuple[str, ...]:
+        """The slot names, in slot order (the pull op's keys)."""
         return tuple(s.layer_name for s in self.slots)
 
     def layout(self) -> PairLayout:
@@ -99,18 +113,21 @@ def make_pair_handle(*, rank: int, segment: SegmentRef, node_id: str, actor_name
                      fingerprint: str, geometry: PleGeometry, layout: PairLayout) -> PairHandle:
     slots = tuple(
         SlotHandle(
-            layer_name=g.layer_name, index=i, rows=g.rows, row_bytes=g.row_bytes, dtype=g.dtype,
+            layer_name=g.name, table=g.table, part=g.part, first_layer=g.first_layer,
+            num_layers=g.num_layers, col_offset=g.col_offset,
+            index=i, rows=g.rows, row_bytes=g.row_bytes, dtype=g.dtype,
             max_tokens=layout.max_tokens, slot_offset=layout.slot_offsets[i],
             slot_bytes=layout.max_tokens * g.row_bytes, flag_offset=layout.flag_offsets[i],
             published_offset=layout.published_offsets[i],
+            stamp_offset=layout.stamp_offsets[i],
         )
-        for i, g in enumerate(geometry.layers)
+        for i, g in enumerate(geometry.slots())
     )
     return PairHandle(
         rank=rank, segment=segment, node_id=node_id, actor_name=actor_name,
         layout_version=layout.version, table_fingerprint=fingerprint,
         control=ControlHandle(count_offset=layout.count_offset, ids_offset=layout.ids_offset,
-                              max_tokens=layout.max_tokens),
+                              max_tokens=layout.max_tokens, sleeping_offset=SLEEPING_OFF),
         slots=slots,
     )
 
@@ -127,14 +144,17 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
         raise bad(f"it is for rank {handle.rank}")
     if handle.layout_version != LAYOUT_VERSION:
         raise bad(f"layout version {handle.layout_version}, this side speaks {LAYOUT_VERSION}")
-    if handle.layer_names != expected.layer_names:
-        raise bad(f"layer names {list(handle.layer_names)} != {list(expected.layer_names)}")
+    if handle.layer_names != expected.slot_names:
+        raise bad(f"slot names {list(handle.layer_names)} != {list(expected.slot_names)}")
     if handle.control.max_tokens != expected.max_tokens:
         raise bad(f"max_tokens {handle.control.max_tokens} != {expected.max_tokens}")
-    for i, (slot, geo) in enumerate(zip(handle.slots, expected.layers)):
+    for i, (slot, geo) in enumerate(zip(handle.slots, expected.slots())):
         if slot.index != i:
             raise bad(f"slot {slot.layer_name} has index {slot.index}")
-        for field, want in (("rows", geo.rows), ("row_bytes", geo.row_bytes),
+        for field, want in (("table", geo.table), ("part", geo.part),
+                            ("first_layer", geo.first_layer), ("num_layers", geo.num_layers),
+                            ("col_offset", geo.col_offset),
+                            ("rows", geo.rows), ("row_bytes", geo.row_bytes),
                             ("dtype", geo.dtype), ("max_tokens", expected.max_tokens),
                             ("slot_bytes", expected.max_tokens * geo.row_bytes)):
             if getattr(slot, field) != want:
@@ -147,11 +167,13 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
         i = slot.index
         for field, want in (("slot_offset", layout.slot_offsets[i]),
                             ("flag_offset", layout.flag_offsets[i]),
-                            ("published_offset", layout.published_offsets[i])):
+                            ("published_offset", layout.published_offsets[i]),
+                            ("stamp_offset", layout.stamp_offsets[i])):
             if getattr(slot, field) != want:
                 raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)}, layout says {want}")
-    if (handle.control.count_offset, handle.control.ids_offset) != (
-            layout.count_offset, layout.ids_offset):
+    if (handle.control.count_offset, handle.control.ids_offset,
+            handle.control.sleeping_offset) != (layout.count_offset, layout.ids_offset,
+                                                SLEEPING_OFF):
         raise bad("control offsets differ from the layout")
     if handle.segment.size != layout.size:
         raise bad(f"segment size {handle.segment.size} != layout size {layout.size}")

@@ -1,14 +1,19 @@
 """Byte layout of one pair segment, and typed views over it.
 
-    page 0   header: magic, layout version, layer count, max_tokens, token, fingerprint;
+    words    header: magic, layout version, slot count, max_tokens, token, fingerprint;
              then one 64-byte cache line each for state+reason, the two heartbeats,
-             `posted`, `released`; then per layer a 128-byte block: `flag` (u32, its own
-             line) and `published` (u64, its own line)
-    page 1+  input slot: token count T (u32), then `max_tokens` int32 token ids
-    then     per layer, page aligned: output slot of exactly max_tokens x row_bytes
+             `posted`, `released`, the worker's pid, two time stamps and `sleeping` (the
+             offload side is about to block on its doorbell); then per slot a 192-byte
+             block of three cache lines: `flag` (u32), `published` (u64) and `stamp` (u64:
+             the step whose rows the slot holds, written after the rows, before the flag).
+             As many pages as the slots need (one page up to 16 slots).
+    then     input slot, page aligned: token count T (u32), then `max_tokens` int32 ids
+    then     per slot, page aligned: output slot of exactly max_tokens x row_bytes
 
-The layout is a pure function of (version, max_tokens, row_bytes per layer), so a worker
-recomputes it and rejects any handle whose offsets differ.
+A slot is one part of one table's row (`PleGeometry.slots`): a table split into P parts of
+consecutive model layers has P slots, each with its own flag, raised as soon as its rows
+are written. The layout is a pure function of (version, max_tokens, row_bytes per slot), so
+a worker recomputes it and rejects any handle whose offsets differ.
 """
 
 from __future__ import annotations
@@ -22,15 +27,17 @@ import numpy as np
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleHandleError
-from ray_ple.protocol.shm import PAGE, SharedSegment, page_align
+from ray_ple.protocol.shm import SharedSegment, page_align
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: slots per part, a step stamp per slot, the `sleeping` word
 MAGIC = 0x31454C505941522E  # ".RAYPLE1"
 _HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_layers, max_tokens, token, fingerprint
 STATE_OFF, HB_WORKER_OFF, HB_OFFLOAD_OFF, POSTED_OFF, RELEASED_OFF = 128, 192, 256, 320, 384
-WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF = 448, 512, 576
-LAYERS_OFF, LAYER_STRIDE = 1024, 128
-MAX_LAYERS = (PAGE - LAYERS_OFF) // LAYER_STRIDE
+WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF, SLEEPING_OFF = 448, 512, 576, 640
+SLOTS_OFF, SLOT_STRIDE = 1024, 192  # per slot: flag @ +0, published @ +64, stamp @ +128
+PUBLISHED_IN_SLOT, STAMP_IN_SLOT = 64, 128
+MAX_SLOTS = 128
+LAYERS_OFF, LAYER_STRIDE, MAX_LAYERS = SLOTS_OFF, SLOT_STRIDE, MAX_SLOTS  # the v1 names
 
 
 class Side(enum.Enum):
@@ -63,20 +70,24 @@ class PairLayout(Frozen):
     version: int
     max_tokens: int
     row_bytes: tuple[int, ...]
+    words_bytes: int
     count_offset: int
     ids_offset: int
     flag_offsets: tuple[int, ...]
     published_offsets: tuple[int, ...]
+    stamp_offsets: tuple[int, ...]
     slot_offsets: tuple[int, ...]
     size: int
 
     @classmethod
     def compute(cls, max_tokens: int, row_bytes: tuple[int, ...],
                 version: int = LAYOUT_VERSION) -> PairLayout:
-        if not 0 < len(row_bytes) <= MAX_LAYERS:
-            raise PleHandleError(f"{len(row_bytes)} layers; a pair holds 1..{MAX_LAYERS}")
-        count_off = PAGE
-        ids_off = PAGE + 64
+        if not 0 < len(row_bytes) <= MAX_SLOTS:
+            raise PleHandleError(f"{len(row_bytes)} slots; a pair holds 1..{MAX_SLOTS}")
+        n = len(row_bytes)
+        words = page_align(SLOTS_OFF + n * SLOT_STRIDE)
+        count_off = words
+        ids_off = words + 64
         cursor = page_align(ids_off + 4 * max_tokens)
         slots = []
         for rb in row_bytes:
@@ -84,10 +95,11 @@ class PairLayout(Frozen):
             cursor = page_align(cursor + max_tokens * rb)
         return cls(
             version=version, max_tokens=max_tokens, row_bytes=tuple(row_bytes),
-            count_offset=count_off, ids_offset=ids_off,
-            flag_offsets=tuple(LAYERS_OFF + i * LAYER_STRIDE for i in range(len(row_bytes))),
-            published_offsets=tuple(LAYERS_OFF + i * LAYER_STRIDE + 64
-                                    for i in range(len(row_bytes))),
+            words_bytes=words, count_offset=count_off, ids_offset=ids_off,
+            flag_offsets=tuple(SLOTS_OFF + i * SLOT_STRIDE for i in range(n)),
+            published_offsets=tuple(SLOTS_OFF + i * SLOT_STRIDE + PUBLISHED_IN_SLOT
+                                    for i in range(n)),
+            stamp_offsets=tuple(SLOTS_OFF + i * SLOT_STRIDE + STAMP_IN_SLOT for i in range(n)),
             slot_offsets=tuple(slots), size=cursor,
         )
 
@@ -115,8 +127,10 @@ class ControlBlock:
         self._worker_pid = _u64(buf, WORKER_PID_OFF)
         self._post_ns = _u64(buf, POST_NS_OFF)
         self._publish_ns = _u64(buf, PUBLISH_NS_OFF)
+        self._sleeping = _u32(buf, SLEEPING_OFF)
         self.flags = [_u32(buf, off) for off in layout.flag_offsets]
         self._published = [_u64(buf, off) for off in layout.published_offsets]
+        self._stamps = [_u64(buf, off) for off in layout.stamp_offsets]
         if seg is None:
             return  # a snapshot of the words page: no input or output slots
         self._count = _u32(buf, layout.count_offset)
@@ -126,12 +140,12 @@ class ControlBlock:
 
     @classmethod
     def snapshot(cls, fd: int, layout: PairLayout) -> ControlBlock | None:
-        """The words page read with pread, never mapped: a watcher cannot fault on a segment
+        """The words pages read with pread, never mapped: a watcher cannot fault on a segment
         that was taken away. None when the segment is shorter than its layout."""
         if os.fstat(fd).st_size < layout.size:
             return None
-        words = bytearray(os.pread(fd, PAGE, 0))
-        if len(words) != PAGE:
+        words = bytearray(os.pread(fd, layout.words_bytes, 0))
+        if len(words) != layout.words_bytes:
             return None
         # The counters once more, one word each, in the order that cannot tear across steps
         # (`released` moves last, `posted` first): one copy of the page reads them low to high.
@@ -211,6 +225,22 @@ class ControlBlock:
 
     def set_published(self, layer: int, v: int) -> None:
         self._published[layer][0] = v
+
+    def stamp(self, slot: int) -> int:
+        """The step whose rows slot `slot` holds (written with the rows, before the flag)."""
+        return int(self._stamps[slot][0])
+
+    def set_stamp(self, slot: int, v: int) -> None:
+        self._stamps[slot][0] = v
+
+    @property
+    def sleeping(self) -> bool:
+        """The offload side is blocked (or about to block) on its doorbell: ring it."""
+        return bool(self._sleeping[0])
+
+    @sleeping.setter
+    def sleeping(self, v: bool) -> None:
+        self._sleeping[0] = int(v)
 
     @property
     def token_count(self) -> int:

@@ -6,11 +6,24 @@ engine thread on CPU; every counter lives in the pair's control block)::
     W  begin(ids):   phase IDLE?  state READY?  posted == published[*] == released == s-1?
                      0 <= T <= max?  write T and ids, then  posted = s  (release order)
     O  next_step():  posted == last + 1 (anything else is fatal), released == last
-    O  publish():    per layer: wait flag == 0 (bounded; never overwrite), gather the rows
-                     into the slot, published[layer] = s, then flag = 1
-    C  pull(layer):  wait flag == 1, `consumable` (published == s, rows == T), copy the rows
-    C  release(s):   flag = 0 for every layer, then released = s   (the only reset)
+    W  (doorbell):   ring only if the offload side said it sleeps (`sleeping`, read after
+                     a store-load fence that follows the store of `posted`)
+    O  next_step():  posted == last + 1 (anything else is fatal), released == last
+    O  publish():    per slot, in order: wait flag == 0 (bounded; never overwrite), gather
+                     the rows into the slot, stamp[slot] = s, published[slot] = s, flag = 1
+    C  pull(slot):   wait flag == 1, `consumable` (published == stamp == s, rows == T), copy
+    C  release(s):   flag = 0 for every slot, then released = s   (the only reset)
     W  end_step(s):  phase back to IDLE
+
+A slot is one part of a table's row (consecutive model layers, `PleGeometry.slots`): the
+offload side raises each part's flag as soon as its rows are written, and the consumer waits
+for a part only where its first layer needs it (late waits). Still one post and one release
+per step; `published` of the step means every part is up.
+
+Before the offload side blocks on its doorbell it stores `sleeping = 1`, fences, and reads
+`posted` once more; the worker stores `posted`, fences, and reads `sleeping`. With a full
+fence on both sides (Dekker's pattern; TSO alone lets each load pass its own earlier store)
+one of them sees the other's store, so a post is never left unrung while its reader sleeps.
 
 Dummy, profiling and capture forwards never post: the worker runs them in phase LOCAL, the
 transport satisfies them locally and no counter moves. Invariants, checked by both sides and
@@ -24,11 +37,14 @@ ends the replica. The rules return a `Failure`; the sides end their process with
 (`fail_closed`), the supervisor ends the replica. Nothing is ever retried, reset or continued.
 
 Memory order: the sides publish with plain stores and rely on x86-64's store order (TSO) for
-the words and the rows written with ordinary stores (`check_memory_model`).
+the words and the rows written with ordinary stores (`check_memory_model`); the gather uses
+ordinary stores only (numpy, torch), so no `sfence` is needed before a flag. The one
+store-then-load pair (`posted`/`sleeping`) is fenced with `store_load_fence`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import platform
 import time
@@ -57,6 +73,23 @@ def check_memory_model() -> None:
     if machine not in ("x86_64", "amd64"):
         raise PleEnvironmentError(f"ray-ple's transaction needs x86-64 store ordering; this CPU "
                                   f"is {machine}")
+
+
+_LIBC = ctypes.CDLL(None, use_errno=False)
+_FENCE_WORD = ctypes.c_int(0)
+_SPIN_TRYLOCK = _LIBC.pthread_spin_trylock
+_SPIN_TRYLOCK.argtypes = (ctypes.c_void_p,)
+_FENCE_ADDR = ctypes.addressof(_FENCE_WORD)
+
+
+def store_load_fence() -> None:
+    """A full fence: earlier stores visible before later loads (x86-64 only reorders those).
+
+    Python has no fence; glibc's `pthread_spin_trylock` on x86-64 is one atomic exchange
+    (an implicitly locked `xchg`), which orders every earlier store before every later
+    load. The word is private and its value unused: only the instruction matters.
+    """
+    _SPIN_TRYLOCK(_FENCE_ADDR)
 
 
 # The rules -----------------------------------------------------------------------------------
@@ -116,7 +149,18 @@ def consumable(block: ControlBlock, layer: int, step: int, rows: int) -> Failure
     if block.published(layer) != step:
         return Failure(Reason.INVARIANT, f"flag up but published={block.published(layer)} for "
                        f"step {step}", layer)
+    if (f := stale_stamp(block, layer, step)) is not None:
+        return f
     return token_rows(block, layer, step, rows)
+
+
+def stale_stamp(block: ControlBlock, slot: int, step: int) -> Failure | None:
+    """The slot's rows must be the step's: its stamp is written after them, before the flag."""
+    stamp = block.stamp(slot)
+    if stamp != step:
+        return Failure(Reason.INVARIANT, f"slot holds rows of step {stamp}, step {step} in "
+                       "flight", slot)
+    return None
 
 
 def token_rows(block: ControlBlock, layer: int, step: int, rows: int) -> Failure | None:
@@ -218,8 +262,9 @@ class WorkerEnd:
         if (f := peer_state(b)) is not None:
             self.fail(f)
         c = b.counters()
-        if c != Counters(self.step, tuple(self.step for _ in c.published), self.step):
-            self.fail(Failure(Reason.INVARIANT, f"expected all counters at {self.step}, got "
+        s = self.step
+        if c.posted != s or c.released != s or any(p != s for p in c.published):
+            self.fail(Failure(Reason.INVARIANT, f"expected all counters at {s}, got "
                               f"{tuple(c)}"))
         t = int(ids.shape[0])
         if not 0 <= t <= b.layout.max_tokens:
@@ -227,13 +272,21 @@ class WorkerEnd:
                 f"step of {t} tokens exceeds the {b.layout.max_tokens}-token slots of rank "
                 f"{self.rank} (raise max_num_batched_tokens and ple.max_tokens together)")
         b.token_count = t
-        b.ids[:t] = ids
-        s = self.step + 1
+        if t == 1:
+            b.ids[0] = ids[0]
+        else:
+            b.ids[:t] = ids
+        s += 1
         b.stamp_post(time.monotonic_ns())
         if cut is None or not cut(self.rank, s):
             b.posted = s  # x86-64 TSO: the stores above are visible before this one
         self.step, self.phase = s, Phase.STEP
         return s
+
+    def must_ring(self) -> bool:
+        """After `begin`: does the offload side sleep on its doorbell (ring it) or not?"""
+        store_load_fence()  # `posted` visible before `sleeping` is read (Dekker, see above)
+        return self.block.sleeping
 
     def end_step(self, step: int) -> None:
         """Called once the consumer's release of `step` has been issued."""
@@ -307,13 +360,25 @@ class OffloadEnd:
             return False
 
         for i, flag in enumerate(b.flags):
-            if not wait_until(lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s,
-                              abort=alive):
+            if int(flag[0]) != 0 and not wait_until(
+                    lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s, abort=alive):
                 self.fail(Failure(Reason.OFFLOAD_WAIT, f"flag of step {step - 1} never reset",
                                   i))
             gather(i, ids, b.slots[i][:t])
             if cut is None or not cut(i, step):
+                b.set_stamp(i, step)
                 b.set_published(i, step)
-                flag[0] = 1  # x86-64 TSO: rows and `published` are visible before the flag
+                flag[0] = 1  # x86-64 TSO: rows, stamp, `published` visible before the flag
         b.stamp_publish(time.monotonic_ns())
         self.last = step
+
+    def sleep(self, wait: Callable[[], object]) -> None:
+        """Block in `wait` (the doorbell) unless a post arrived: `sleeping` is up meanwhile."""
+        b = self.block
+        b.sleeping = True
+        store_load_fence()  # `sleeping` visible before `posted` is read (Dekker, see above)
+        try:
+            if b.posted == self.last:
+                wait()
+        finally:
+            b.sleeping = False

@@ -85,7 +85,8 @@ class WorkerPair:
         s = w.begin(host_ids, self._post_cut)
         if timing.ENABLED:
             timing.record("post", time.monotonic_ns())
-        self._bell.ring()
+        if w.must_ring():  # only a sleeping offload side needs the syscall
+            self._bell.ring()
         try:
             if faults.ACTIVE and faults.hit("worker.raise_after_post", w.rank):
                 raise RuntimeError("injected fault: exception after post")
@@ -150,7 +151,7 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
     global _PAIR
     with _LOCK:
         if _PAIR is not None:
-            if _PAIR.worker.rank != rank or _PAIR.handle.layer_names != expected.layer_names:
+            if _PAIR.worker.rank != rank or _PAIR.handle.layer_names != expected.slot_names:
                 raise PleHandleError("this process is already attached to another pair")
             return _PAIR
         handles = {h.rank: h for h in EngineHandles.from_env(os.environ).pairs}
