@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -36,8 +36,8 @@ class PleConfig(Frozen):
     )
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
-    parts: int | Literal["auto"] = Field(
-        1, ge=1, description="slots per table row, each of consecutive layers with its own "
+    parts: Annotated[int, Field(ge=1, le=128)] | Literal["auto"] = Field(
+        1, description="slots per table row, each of consecutive layers with its own "
         "flag, waited for at its first layer (late waits); auto: groups of about 6 layers; "
         "1: the whole row at once"
     )
