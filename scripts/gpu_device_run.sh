@@ -2,7 +2,7 @@
 # Run the CUDA transport's proof on a GPU machine: environment, memlock probes, the GPU test
 # module, and the benchmark. Everything goes to $OUT (default: bench/cuda/results/latest).
 #
-#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks]
+#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks|model]
 #
 # The machine needs python3 with torch (CUDA), cuda-python and numpy; pydantic and its pure
 # dependencies may be given as wheels in .whl/ (installed into a private --target, no index).
@@ -83,5 +83,14 @@ if [[ $WHAT == all || $WHAT == two-ranks ]]; then
   timeout 380 python3 bench/cuda/bench_two_ranks.py --out "$OUT" --budget-s 240 \
     ${TWO_RANKS_ARGS:-} 2>&1 | tee "$OUT/two_ranks_log.txt" | grep -v '^{"ray_ple"'
   rm -rf /dev/shm/ray-ple-two-ranks
+fi
+if [[ $WHAT == all || $WHAT == model ]]; then
+  # issue 12: the late pull on an E4B-shaped forward and on bench_pull's synthetic consumer
+  # (bench/cuda/README.md, "The late pull"); JSON lines in $OUT/model.jsonl
+  stage "late pull, model-shaped consumer"
+  timeout "${MODEL_TIMEOUT:-360}" python3 bench/cuda/bench_model.py --out "$OUT" \
+    ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model_log.txt" | grep -v '^{"ray_ple"' \
+    | tee "$OUT/model.txt"
+  rm -rf /dev/shm/ray-ple-bench-model
 fi
 stage done

@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
 from ray_ple.protocol.geometry import LayerGeometry, PleGeometry  # noqa: E402
-from ray_ple.protocol.handles import PairHandle  # noqa: E402
+from ray_ple.protocol.handles import EngineHandles, PairHandle  # noqa: E402
 from ray_ple.protocol.table_source import TableSource  # noqa: E402
 from ray_ple.worker import pair as worker_pair  # noqa: E402 - after the repo joins sys.path
 from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
@@ -73,9 +75,16 @@ def table_view(path: Path) -> np.memmap:
     return np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(rows, elems * 2))
 
 
-def geometry(rows: int, max_tokens: int) -> PleGeometry:
-    return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, layers=(
-        LayerGeometry(layer_name=LAYER, rows=rows, row_elems=ROW_ELEMS, dtype="bfloat16"),))
+def geometry(rows: int, max_tokens: int, parts: tuple[int, ...] = (),
+             row_elems: int = ROW_ELEMS) -> PleGeometry:
+    """One table; `parts` (model layers per slot, 256 values each) splits its row into
+    slots named `LAYER#p` (late pull); `()` is one slot, the whole row, named `LAYER`."""
+    layer = LayerGeometry(layer_name=LAYER, rows=rows, row_elems=row_elems, dtype="bfloat16")
+    if not parts:
+        return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens,
+                           layers=(layer,))
+    return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, layers=(layer,),
+                       row_layers=row_elems // 256, parts=tuple(parts))
 
 
 def deadlines() -> PleDeadlines:
@@ -88,9 +97,9 @@ class OffloadProcess:
 
     def __init__(self, checkpoint_dir: Path, geo: PleGeometry, *, spin_us: float = 0.0,
                  shm_dir: str = "/dev/shm", actor_name: str = "gpu-rig-offload",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gather_threads: int = 1) -> None:
         cfg = PleConfig(transport="cuda", offload_spin_us=spin_us, shm_dir=shm_dir,
-                        deadlines=deadlines())
+                        deadlines=deadlines(), gather_threads=gather_threads)
         source = TableSource(checkpoint_dir=str(checkpoint_dir), tensor_names=(TENSOR,),
                              layer=geo.layers[0])
         spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
@@ -125,9 +134,40 @@ class OffloadProcess:
 
 def attach(handle: PairHandle, geo: PleGeometry, transport: str) -> worker_pair.WorkerPair:
     """Attach this process's pair exactly as a worker does (registry keyed by layer name)."""
-    os.environ[worker_pair.PAIRS_ENV] = json.dumps([handle.model_dump(mode="json")])
+    os.environ.update(EngineHandles(pairs=(handle,)).env())
     return worker_pair.attach_process(geo, rank=0, transport=transport, deadlines=deadlines(),
                                       heartbeat_s=0.25)
+
+
+def attach_another(handle: PairHandle, geo: PleGeometry, transport: str = "cuda"
+                   ) -> worker_pair.WorkerPair:
+    """A second pair in this process (bench and tests only: an engine worker has one).
+
+    The op resolves names through the process registry, so a forward that uses this pair
+    runs inside `registered(pair)`; graphs hold their addresses and need it only to capture.
+    """
+    return worker_pair.WorkerPair.attach(handle, geo, rank=0, transport=transport,
+                                         deadlines=deadlines(), heartbeat_s=0.25)
+
+
+@contextmanager
+def registered(pair: worker_pair.WorkerPair) -> Iterator[worker_pair.WorkerPair]:
+    """Point this process's registry at `pair` for the duration (restored after)."""
+    saved = worker_pair._PAIR, dict(worker_pair._LAYERS)
+    worker_pair._PAIR = pair
+    worker_pair._LAYERS.clear()
+    worker_pair._LAYERS.update({n: i for i, n in enumerate(pair.handle.layer_names)})
+    try:
+        yield pair
+    finally:
+        worker_pair._PAIR = saved[0]
+        worker_pair._LAYERS.clear()
+        worker_pair._LAYERS.update(saved[1])
+
+
+def part_slots(geo: PleGeometry) -> list[tuple[str, int, int]]:
+    """(slot name, first int32 word of the row, int32 words) of every slot of the table."""
+    return [(s.name, s.col_offset // 4, s.row_bytes // 4) for s in geo.slots()]
 
 
 # the stand-in model ------------------------------------------------------------------------
@@ -148,6 +188,48 @@ class StandIn(torch.nn.Module):
         words = rows.view(torch.int32)
         bad = wrong_words(words, ids, self.cols)
         consumed = (words[:, :256] & 0xFF).float() @ self.mix
+        t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+        nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
+        return bad, nxt, consumed
+
+
+class LateStandIn(torch.nn.Module):
+    """The late pull: every part's `pull_async` first, then per part its `pull_wait` and the
+    check of its words, one buffer `(P, T, words per part)` (parts of equal width)."""
+
+    def __init__(self, rows: int, geo: PleGeometry, row_elems: int = ROW_ELEMS) -> None:
+        super().__init__()
+        import ray_ple.worker.transport.late_ops  # noqa: F401 - registers the late ops
+
+        self.slots = part_slots(geo)
+        widths = {w for _, _, w in self.slots}
+        if len(widths) != 1:
+            raise ValueError(f"parts of unequal width {sorted(widths)}")
+        self.rows, self.words, self.part_words = rows, row_elems // 2, widths.pop()
+        self.register_buffer("cols", torch.tensor(
+            [[c0 + j for j in range(self.part_words)] for _, c0, _ in self.slots],
+            dtype=torch.int32), persistent=False)
+        gen = torch.Generator().manual_seed(0)
+        self.mix = torch.nn.Parameter(torch.randn(256, 16, generator=gen), requires_grad=False)
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty((len(self.slots), ids.shape[0], self.part_words * 2),
+                          dtype=torch.bfloat16, device=ids.device)
+        for p, (name, _, _) in enumerate(self.slots):
+            torch.ops.ray_ple.pull_async(buf[p], name)
+        return buf
+
+    def wait(self, buf: torch.Tensor, p: int) -> None:
+        torch.ops.ray_ple.pull_wait(buf[p], self.slots[p][0])
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = self.pull(ids)
+        for p in range(len(self.slots)):
+            self.wait(buf, p)
+        words = buf.view(torch.int32)
+        expect = ids.to(torch.int32)[None, :, None] * self.words + self.cols[:, None, :]
+        bad = (words != expect).sum()
+        consumed = (words[0, :, :256] & 0xFF).float() @ self.mix
         t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
         nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
         return bad, nxt, consumed
@@ -376,11 +458,51 @@ def geometry_mismatch_scenario(work: Path) -> None:
         off.close()
 
 
+def stamp_mismatch_scenario(work: Path, late: bool) -> None:
+    """A slot whose stamp is not the step in flight: the GPU must fail closed (trap, reason).
+
+    The stream is held in a sleep while the offload side publishes; then this process
+    overwrites one slot's stamp (as a stale or misplaced publish would leave it) and the
+    forward's copy finds it. Prints what the host words say after the context is lost.
+    """
+    import ray_ple.worker.ops  # noqa: F401
+    from ray_ple.worker.transport.cuda import STAMP_REASON
+
+    parts = (7, 7, 7, 7, 7) if late else ()
+    geo = geometry(4096, max_tokens=64, parts=parts)
+    off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
+    pair = attach(off.handle, geo, "cuda")
+    model = (LateStandIn(4096, geo) if late else StandIn(4096)).cuda()
+    ids = torch.from_numpy(first_ids(8, 4096)).cuda()
+    torch.cuda.synchronize()
+    block, slot = pair.block, len(pair.block.flags) - 1
+    result: dict[str, Any] = {"slots": len(block.flags), "expected_reason": int(STAMP_REASON)}
+    try:
+        with pair.step(ids.cpu().numpy()) as s:
+            torch.cuda._sleep(400_000_000)  # the stream waits ~0.2 s before the forward
+            deadline = time.monotonic() + 10
+            while int(block.flags[slot][0]) != 1 and time.monotonic() < deadline:
+                pass
+            stamp = getattr(block, "set_stamp", None) or block.set_published
+            stamp(slot, s + 5)  # stale: not the step in flight
+            bad, _, _ = model(ids)
+        torch.cuda.synchronize()
+        result["error"] = None
+        result["wrong_words"] = int(bad)
+    except Exception as exc:  # noqa: BLE001 - the lost context is the expected outcome
+        result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    result["state"], result["reason"] = block.state.name, block.reason
+    result["released"], result["posted"] = block.released, block.posted
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # the context is gone; the offload side ends itself on FAILED
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch"])
+    ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch",
+                                         "stamp-early", "stamp-late"])
     ap.add_argument("work", type=Path)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
@@ -389,5 +511,7 @@ if __name__ == "__main__":
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
         sys.exit(0)
+    if a.scenario.startswith("stamp-"):
+        stamp_mismatch_scenario(a.work, late=a.scenario == "stamp-late")
     res = compile_scenario(a.scenario.split("-")[1], a.work, a.rows, a.tokens, a.steps)
     print(json.dumps(res), flush=True)

@@ -35,15 +35,20 @@ def cuda_libraries_mapped(pid: int | str = "self") -> list[str]:
     return sorted(found)
 
 
+def _plain(obj: object) -> dict:
+    """A frozen model (what the actor returns across a Ray call) as JSON-ready data."""
+    return obj.model_dump(mode="json") if hasattr(obj, "model_dump") else dict(obj)
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     actor = OffloadActor(spec)
     handle = actor.setup()
-    print(json.dumps({"handle": handle, "pid": os.getpid()}), flush=True)
+    print(json.dumps({"handle": _plain(handle), "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "status":
-            status = actor.status()
+            status = _plain(actor.status())
             status["cuda_libraries_mapped"] = cuda_libraries_mapped()
             status["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
             print(json.dumps(status), flush=True)

@@ -179,6 +179,79 @@ def test_graph_replayed_for_another_token_count_is_fatal(ckpt: Path, tmp_path: P
     assert verdicts and verdicts[0]["reason"] == "GEOMETRY" and verdicts[0]["where"] == "consumer"
 
 
+# the late pull: one slot per part, copied on a side stream, joined before its use ----------
+PARTS = (7, 7, 7, 7, 7)  # 35 layers of 256 values: 5 slots of 3,584 B a row
+
+
+@pytest.fixture(scope="module")
+def late(ckpt: Path, gpu) -> Iterator[tuple[rig.OffloadProcess, object]]:
+    """A second pair in this process, its row split into 5 slots (same node table)."""
+    geo = rig.geometry(ROWS, MAX_TOKENS, PARTS)
+    off = rig.OffloadProcess(ckpt, geo, spin_us=2000, actor_name="gpu-rig-late")
+    try:
+        yield off, rig.attach_another(off.handle, geo), geo
+    finally:
+        off.close()
+
+
+def _late_engine(pair, geo, t: int, seed: int) -> rig.Engine:
+    return rig.Engine(pair, rig.LateStandIn(ROWS, geo).cuda(), t, ROWS, torch.device("cuda"),
+                      seed)
+
+
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64])
+def test_late_pull_eager_closed_loop_rows_verified(late, t: int) -> None:
+    _, pair, geo = late
+    before = pair.block.posted
+    with rig.registered(pair):
+        assert _late_engine(pair, geo, t, seed=200 + t).eager(300) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 300, before + 300,
+                                                         {before + 300})
+
+
+@needs_cuda
+@pytest.mark.parametrize(("t", "copy_mode", "release_in_graph"),
+                         [(8, "sm", False), (256, "dma", False), (64, "auto", True)])
+def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
+                                                   release_in_graph: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pair, geo = late
+    monkeypatch.setattr(pair.transport, "options",
+                        pair.transport.options.model_copy(update={"copy_mode": copy_mode}))
+    before = pair.block.posted
+    with rig.registered(pair):
+        graph = _late_engine(pair, geo, t, seed=300 + t).capture(release_in_graph)
+    assert pair.block.posted == before, "a capture must not post"
+    rec = graph.record
+    assert rec.rows == t and rec.release == release_in_graph
+    assert [(c.layer, c.nbytes, c.late) for c in rec.copies] == [
+        (i, t * 3584, True) for i in range(len(PARTS))]
+    assert graph.run(1000) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 1000, before + 1000,
+                                                        {before + 1000})
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["early", "late"])
+def test_stale_step_stamp_fails_closed_on_the_gpu(ckpt: Path, tmp_path: Path, mode: str) -> None:
+    """A slot stamped with another step: the copy traps, the reason word names it, nothing
+    after the copy runs (the release never advances `released`)."""
+    from ray_ple.worker.transport.cuda import STAMP_REASON
+
+    (tmp_path / "ckpt").symlink_to(ckpt)
+    proc = subprocess.run([sys.executable, str(RIG), f"stamp-{mode}", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-3000:]
+    out = json.loads(lines[-1])
+    assert out["error"], f"the stale slot was consumed: {out}"
+    assert out["state"] == "FAILED" and out["reason"] == int(STAMP_REASON), out
+    assert out["released"] == out["posted"] - 1, out
+
+
 # the rig itself (runs everywhere) ----------------------------------------------------------
 def test_wrong_words_counts_a_single_flipped_word() -> None:
     ids = torch.tensor([5, 0, 4095])
@@ -207,3 +280,22 @@ def test_rig_closed_loop_on_the_cpu_transport(ckpt: Path) -> None:
     assert out["wrong"] == 0 and out["c"] == [200, 200]
     assert out["st"]["cuda_evidence"] == [] and not out["st"]["torch_imported"]
 
+
+
+def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
+    """The late stand-in and ops (5 slots) through a synchronous transport (CPU)."""
+    code = (
+        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
+        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
+        f"g = r.geometry({ROWS}, 64, {PARTS!r}); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
+        "p = r.attach(o.handle, g, 'cpu'); "
+        f"e = r.Engine(p, r.LateStandIn({ROWS}, g), 8, {ROWS}, torch.device('cpu')); "
+        "print(json.dumps({'wrong': e.eager(100), 'c': [p.block.posted, p.block.released], "
+        "'slots': list(p.handle.layer_names)})); o.close()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["wrong"] == 0 and out["c"] == [100, 100]
+    assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]

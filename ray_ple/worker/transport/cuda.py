@@ -7,9 +7,30 @@ checked for mapped host memory and stream memory operations, and the two kernels
 Per forward, all in stream order on the current torch stream, all capturable::
 
     pull(layer, out)   cuStreamWaitValue32(flag[layer] == 1)
+                       stamp[layer] == released + 1, else reason + FAILED + trap
                        copy T x row_bytes slot -> out   (SM kernel with ld.cv for small
                                                          steps, cuMemcpyHtoDAsync above)
     release(step)      ple_release: flag[*] = 0, system fence, released += 1
+
+The late pull splits the same into two ops, so that a slot (one part of a table's row: a
+group of consecutive model layers) arrives while the earlier layers run::
+
+    pull_async(layer, out)   fork: the side stream waits for the model stream here (after
+                             the previous step's release, so a flag it sees up is this
+                             step's), then, on the side stream: wait flag, stamp check,
+                             copy, record done[layer]
+    pull_wait(layer, out)    the model stream waits for done[layer] (just before the part is
+                             consumed); every async pull of a step must be waited before its
+                             release, which stays on the model stream and the only reset
+
+Both are graph-capturable (a fork and a join of the capturing stream). The step stamp check
+runs on the GPU because the host cannot see the copy happen: a graph replay or an async copy
+has no host moment between "flag up" and "rows consumed". It fails closed with a trap (the
+context is lost, so the step's tokens never leave the GPU) after writing the reason word and
+FAILED into the control block, where the offload side and the supervisor read it. Its
+reference is `released + 1`, a word the stream itself advances, so nothing step-specific is
+baked into a graph. Until the layout carries a separate stamp word, a slot's stamp is its
+`published` word (also written with the rows, before the flag).
 
 `released` is advanced by the stream itself, so a GPU stuck in a wait leaves it behind and
 the offload actor's step deadline ends the replica. Because it is an increment, a graph that
@@ -40,7 +61,7 @@ from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError, PleEnvironmentError
 from ray_ple.log import log_event
 from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF, Side
+from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF, STATE_OFF, Side, State
 from ray_ple.protocol.transaction import Phase, token_rows
 from ray_ple.worker.transport.base import Transport
 from ray_ple.worker.transport.cuda_host import (
@@ -51,12 +72,14 @@ from ray_ple.worker.transport.cuda_host import (
     ensure_context,
     register_host,
 )
-from ray_ple.worker.transport.cuda_kernels import Kernels
+from ray_ple.worker.transport.cuda_kernels import Kernels, StampCheck
 
 if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
 
 COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
+# the reason a stamp mismatch writes (a dedicated one once the protocol names it)
+STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
 
 
 class CudaOptions(Frozen):
@@ -78,6 +101,7 @@ class LayerCopy(Frozen):
     rows: int
     nbytes: int
     mode: Literal["dma", "sm"]
+    late: bool = False  # copied on the side stream, joined before its consumer
 
 
 class CaptureRecord(Frozen):
@@ -132,9 +156,22 @@ class CudaTransport(Transport):
         self._slot_dev = [base + off for off in layout.slot_offsets]
         self._row_bytes = layout.row_bytes
         self._flag0, self._nflags = layout.flag_offsets[0], len(layout.flag_offsets)
+        stamps = getattr(layout, "stamp_offsets", None) or layout.published_offsets
+        self._stamp = [StampCheck(base, off, RELEASED_OFF, STATE_OFF, int(State.FAILED),
+                                  int(STAMP_REASON)) for off in stamps]
         self._probe()
+        # the late pull: one side stream (high priority: a copy waits for no GEMM block),
+        # one fork event, one completion event per slot; all for the life of the process
+        self._side = torch.cuda.Stream(self.device, priority=-1)
+        d = driver()
+        flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._fork = check(d.cuEventCreate(flags), "cuEventCreate(fork)")
+        self._done = [check(d.cuEventCreate(flags), "cuEventCreate(done)")
+                      for _ in range(self._nflags)]
         # per-step bookkeeping (host side, checked before every release)
         self._pulled: list[int] = [-1] * self._nflags
+        self._waited: list[int] = [-1] * self._nflags
+        self._capture_pending: set[int] = set()
         self._capture: list[LayerCopy] | None = None
         self._capture_release = False
         self.captures: dict[int, list[CaptureRecord]] = {}
@@ -162,7 +199,10 @@ class CudaTransport(Transport):
                                         d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
                   "cuStreamWaitValue32")
             scratch[2] = 41
+            scratch[4] = 43  # a stamp (u64 at byte 16) that matches released (42) + 1
             self.kernels.launch_release(sdev, 1, 0, 4, 8, stream)
+            self.kernels.launch_check(StampCheck(sdev, 16, 8, 32, int(State.FAILED), 1),
+                                      stream)
             self.kernels.launch_copy(sdev, dev_buf.data_ptr(), 32, stream)
             check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(probe)")
         except PleEnvironmentError as exc:
@@ -170,7 +210,7 @@ class CudaTransport(Transport):
                 f"GPU {self.device} ({self.caps.name}) refused a stream memory operation or "
                 f"kernel on mapped host memory: {exc}") from exc
         got = scratch.tolist()
-        if got[0] != 0 or got[2] != 42 or dev_buf[2].item() != 42:
+        if got[0] != 0 or got[2] != 42 or got[8] != 0 or dev_buf[2].item() != 42:
             raise PleEnvironmentError(f"mapped host memory probe read back {got}: writes of "
                                       "the GPU are not visible to the host on this system")
 
@@ -197,13 +237,30 @@ class CudaTransport(Transport):
               "cuStreamWaitValue32(flag == 1)")
         dst = out.data_ptr()
         mode = self._mode(nbytes, dst)
-        if nbytes:
-            if mode == "sm":
-                self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream)
-            else:
+        if mode == "sm" and nbytes:
+            self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream,
+                                     self._stamp[layer])
+        else:
+            self.kernels.launch_check(self._stamp[layer], stream)
+            if nbytes:
                 check(d.cuMemcpyHtoDAsync(dst, self._slot_host[layer], nbytes, stream),
                       "cuMemcpyHtoDAsync(slot)")
         return mode
+
+    def _enqueue_late(self, layer: int, out: torch.Tensor, nbytes: int,
+                      model: int) -> Literal["dma", "sm"]:
+        """Fork the side stream off `model` here, pull there, record done[layer]."""
+        d = driver()
+        side = self._side.cuda_stream
+        check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
+        check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
+        mode = self._enqueue(layer, out, nbytes, side)
+        check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
+        return mode
+
+    def _join(self, layer: int, model: int) -> None:
+        d = driver()
+        check(d.cuStreamWaitEvent(model, self._done[layer], 0), "cuStreamWaitEvent(done)")
 
     def _geometry(self, layer: int, out: torch.Tensor) -> int:
         """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
@@ -220,6 +277,12 @@ class CudaTransport(Transport):
 
     # the transaction ----------------------------------------------------------------------
     def pull(self, layer: int, out: torch.Tensor) -> None:
+        nbytes = self._check_pull(layer, out)
+        self._enqueue(layer, out, nbytes, self._stream())
+        self._pulled[layer] = self._waited[layer] = self.worker.step
+
+    def _check_pull(self, layer: int, out: torch.Tensor) -> int:
+        """The host checks of every pull of the step in flight; the bytes to copy."""
         w = self.worker
         if torch.cuda.is_current_stream_capturing():
             self._fail(Reason.STATE, layer, f"step {w.step} is being captured into a graph; "
@@ -230,18 +293,57 @@ class CudaTransport(Transport):
         rec = self._replayed.get(w.step)
         if self._pulled[layer] == w.step or (rec is not None and layer in rec.layers()):
             self._fail(Reason.INVARIANT, layer, f"rows of step {w.step} pulled twice")
-        self._enqueue(layer, out, nbytes, self._stream())
-        self._pulled[layer] = w.step
+        return nbytes
+
+    def pull_async(self, layer: int, out: torch.Tensor) -> None:
+        """Start `layer`'s pull on the side stream; `pull_wait` joins it before its use."""
+        nbytes = self._check_pull(layer, out)
+        self._enqueue_late(layer, out, nbytes, self._stream())
+        self._pulled[layer] = self.worker.step
+
+    def pull_wait(self, layer: int, out: torch.Tensor) -> None:
+        """The model stream waits for `layer`'s async pull of the step in flight."""
+        step = self.worker.step
+        if self._pulled[layer] != step or self._waited[layer] == step:
+            self._fail(Reason.INVARIANT, layer, f"wait for rows of step {step} that were "
+                       "not pulled asynchronously, or waited twice")
+        self._join(layer, self._stream())
+        self._waited[layer] = step
+
+    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
+        """`pull_async` in a local forward: zero rows eagerly; a capture records the fork."""
+        if not torch.cuda.is_current_stream_capturing():
+            out.zero_()
+            return
+        self._check_local_capture(layer)
+        nbytes = self._geometry(layer, out)
+        mode = self._enqueue_late(layer, out, nbytes, self._stream())
+        self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode,
+                                       late=True))
+        self._capture_pending.add(layer)
+
+    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
+        """`pull_wait` in a local forward: nothing eagerly; a capture records the join."""
+        if not torch.cuda.is_current_stream_capturing():
+            return
+        if self._capture is None or layer not in self._capture_pending:
+            self._fail(Reason.INVARIANT, layer, "captured wait for a layer whose async pull "
+                       "this capture did not record, or waited twice")
+        self._join(layer, self._stream())
+        self._capture_pending.discard(layer)
+
+    def _check_local_capture(self, layer: int) -> None:
+        if self.worker.phase is not Phase.LOCAL or self._capture is None:
+            self._fail(Reason.STATE, layer, "capture outside a local forward")
+        if any(c.layer == layer for c in self._capture):
+            self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
 
     def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
             return
-        if self.worker.phase is not Phase.LOCAL or self._capture is None:
-            self._fail(Reason.STATE, layer, "capture outside a local forward")
+        self._check_local_capture(layer)
         nbytes = self._geometry(layer, out)
-        if any(c.layer == layer for c in self._capture):
-            self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
         mode = self._enqueue(layer, out, nbytes, self._stream())
         self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode))
 
@@ -262,10 +364,15 @@ class CudaTransport(Transport):
         if self._capture is not None:
             raise PleConfigError("local forwards do not nest")
         self._capture, self._capture_release = [], False
+        self._capture_pending = set()
         try:
             yield
         finally:
             copies, self._capture = self._capture, None
+            if self._capture_pending:
+                self._fail(Reason.GEOMETRY, min(self._capture_pending),
+                           f"captured async pulls of layers {sorted(self._capture_pending)} "
+                           "were never waited")
             if copies or self._capture_release:
                 self._store_capture(copies, self._capture_release)
 
@@ -281,7 +388,7 @@ class CudaTransport(Transport):
         self.last_capture = rec
         log_event("cuda_graph_captured", rank=self.worker.rank, rows=rec.rows,
                   bytes=sum(c.nbytes for c in copies), modes=sorted({c.mode for c in copies}),
-                  release_in_graph=release)
+                  late=sum(c.late for c in copies), release_in_graph=release)
 
     def replayed(self, record: CaptureRecord) -> None:
         """Declare that the graph of `record` serves the step in flight (call before replay)."""
@@ -315,6 +422,10 @@ class CudaTransport(Transport):
                            f"step {step} ({t} tokens) was consumed by no pull and no graph "
                            f"captured for {t} tokens (captured: {sorted(self.captures)})")
             return
+        unwaited = [i for i in eager if self._waited[i] != step]
+        if unwaited:
+            self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of layers "
+                       f"{unwaited} were never waited before the release")
         graph = [c.layer for c in rec.copies] if rec is not None else []
         if sorted(eager + graph) != list(range(self._nflags)):
             self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled eagerly {eager}, by "

@@ -1,4 +1,4 @@
-"""The two device kernels of the CUDA transport, compiled once per process with NVRTC.
+"""The device kernels of the CUDA transport, compiled once per process with NVRTC.
 
 - `ple_copy_rows`: copies the step's rows from the device-mapped slot with SM loads. Loads use
   `ld.global.cv` ("consider cached system-memory lines stale, fetch again"), so a line of the
@@ -7,8 +7,15 @@
 - `ple_release`: one thread resets every layer's flag, fences at system scope, then advances
   `released` by one (read-modify-write of the host word). Being an increment, not a stored
   constant, it stays correct when captured once in a CUDA graph and replayed every step.
+- The step stamp check (`stamp_check`, inside `ple_copy_rows` and alone as
+  `ple_check_stamp` before a copy-engine copy): once the slot's flag is up, the slot's stamp
+  must equal the step in flight, `released + 1` (the stream itself advances `released`, so
+  a replayed graph needs no step number baked in). On a mismatch one thread stores the
+  reason word, then FAILED, each followed by a system fence, and traps: the context is lost,
+  so nothing after the copy (the layers, the sampled tokens) runs or leaves the GPU, and the
+  host words name the cause for both sides and the supervisor.
 
-Both take raw device pointers as launch parameters; they are launched only by
+All take raw device pointers as launch parameters; they are launched only by
 `CudaTransport`, which resolves those pointers in this process (never a compile cache).
 NVRTC ships with every CUDA build of torch; a missing NVRTC is one `PleEnvironmentError`.
 """
@@ -32,8 +39,44 @@ __device__ __forceinline__ uint4 load_cv(const uint4* p) {
     return v;
 }
 
+__device__ __forceinline__ u64 load_cv64(const unsigned char* p) {
+    u64 v;
+    asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// stamp_off == 0: no check (the probe, and copies of rows that carry no stamp)
+__device__ __forceinline__ void stamp_check(const unsigned char* base, u32 stamp_off,
+                                            u32 released_off, u32 state_off, u32 failed,
+                                            u32 reason) {
+    if (stamp_off == 0u) return;
+    const u64 stamp = load_cv64(base + stamp_off);
+    const u64 released = load_cv64(base + released_off);
+    if (stamp != released + 1ull) {
+        volatile u32* state = (volatile u32*)(base + state_off);
+        if (state[1] == 0u) state[1] = reason;  // the first reason stays
+        __threadfence_system();
+        state[0] = failed;
+        __threadfence_system();
+        __trap();
+    }
+}
+
+extern "C" __global__ void ple_check_stamp(const unsigned char* base, u32 stamp_off,
+                                           u32 released_off, u32 state_off, u32 failed,
+                                           u32 reason) {
+    stamp_check(base, stamp_off, released_off, state_off, failed, reason);
+}
+
 extern "C" __global__ void ple_copy_rows(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                         u64 n16) {
+                                         u64 n16, const unsigned char* base, u32 stamp_off,
+                                         u32 released_off, u32 state_off, u32 failed,
+                                         u32 reason) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        // the whole grid dies with this thread on a mismatch, before the copy's completion
+        // (and so the consumer that waits for it) is ever signalled
+        stamp_check(base, stamp_off, released_off, state_off, failed, reason);
+    }
     const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * stride < n16; i += 4 * stride) {
@@ -103,6 +146,26 @@ def compile_cubin(arch: str, source: str = SOURCE) -> bytes:
     return cubin
 
 
+@dataclass(frozen=True)
+class StampCheck:
+    """Where the stamp of one slot, `released` and the state words are (device addresses)."""
+
+    base: int
+    stamp_off: int
+    released_off: int
+    state_off: int
+    failed: int
+    reason: int
+
+    def params(self) -> tuple[ctypes._SimpleCData, ...]:
+        return (ctypes.c_uint64(self.base), ctypes.c_uint32(self.stamp_off),
+                ctypes.c_uint32(self.released_off), ctypes.c_uint32(self.state_off),
+                ctypes.c_uint32(self.failed), ctypes.c_uint32(self.reason))
+
+
+NO_CHECK = StampCheck(0, 0, 0, 0, 0, 0)
+
+
 class _Params:
     """A reusable `void**` array of ctypes values for cuLaunchKernel (no per-call packing)."""
 
@@ -119,6 +182,7 @@ class Kernels:
     module: object
     copy_rows: object
     release: object
+    check_stamp: object
     sm_count: int
 
     @classmethod
@@ -133,16 +197,25 @@ class Kernels:
         cubin = compile_cubin(f"sm_{major}{minor}")
         module = check(d.cuModuleLoadData(cubin), "cuModuleLoadData(ray-ple kernels)")
         fn = {name: check(d.cuModuleGetFunction(module, name.encode()), f"get {name}")
-              for name in ("ple_copy_rows", "ple_release")}
-        return cls(module, fn["ple_copy_rows"], fn["ple_release"], sms)
+              for name in ("ple_copy_rows", "ple_release", "ple_check_stamp")}
+        return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_check_stamp"], sms)
 
-    def launch_copy(self, src: int, dst: int, nbytes: int, stream: int) -> None:
-        """Enqueue the SM copy of `nbytes` (a multiple of 16, both ends 16-byte aligned)."""
+    def launch_copy(self, src: int, dst: int, nbytes: int, stream: int,
+                    stamp: StampCheck = NO_CHECK) -> None:
+        """Enqueue the SM copy of `nbytes` (a multiple of 16, both ends 16-byte aligned),
+        its first thread checking the slot's step stamp."""
         n16 = nbytes // 16
         blocks = max(1, min((n16 + THREADS - 1) // THREADS, self.sm_count * 8))
-        p = _Params(ctypes.c_uint64(src), ctypes.c_uint64(dst), ctypes.c_uint64(n16))
+        p = _Params(ctypes.c_uint64(src), ctypes.c_uint64(dst), ctypes.c_uint64(n16),
+                    *stamp.params())
         check(driver().cuLaunchKernel(self.copy_rows, blocks, 1, 1, THREADS, 1, 1, 0, stream,
                                       p.address, 0), "cuLaunchKernel(ple_copy_rows)")
+
+    def launch_check(self, stamp: StampCheck, stream: int) -> None:
+        """Enqueue the stamp check alone (one thread), before a copy-engine copy."""
+        p = _Params(*stamp.params())
+        check(driver().cuLaunchKernel(self.check_stamp, 1, 1, 1, 1, 1, 1, 0, stream,
+                                      p.address, 0), "cuLaunchKernel(ple_check_stamp)")
 
     def launch_release(self, base: int, n_flags: int, flag0_off: int, flag_stride: int,
                        released_off: int, stream: int) -> None:

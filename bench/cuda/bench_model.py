@@ -1,0 +1,492 @@
+"""The late pull on an E4B-shaped forward: what a model step pays for its PLE rows.
+
+One GPU process, one table (262,144 rows x 42 layers x 256 bf16 = 21,504 B a row, 5.6 GB),
+one id sequence. The model consumer is a 42-layer stand-in shaped like Gemma 4 E4B (hidden
+2560; per layer: RMS norm, the q/k/v projection 2560 -> 8 x 256 + 2 x 2 x 256, the output
+projection 2048 -> 2560, RMS norm, gate/up 2560 -> 2 x 10240, GELU-tanh product, down
+10240 -> 2560, and at its end the PLE gate: gate = gelu(h @ W_gate) * ple_l, h += norm(gate
+@ W_proj), W_gate 2560 -> 256, W_proj 256 -> 2560; attention over a KV cache left out),
+captured in one CUDA graph per variant and token count, run closed loop (the next ids come
+from this step's ids on the GPU, read back on the host before the next step). Every word of
+every PLE row is checked on the GPU against its pattern (`wrong_words`, 0 expected).
+
+Variants (where the rows come from, and when the model waits for them):
+
+    A       table on the GPU (index_select before layer 0): the baseline
+    B       UVA zero copy: a gather kernel reads the registered host table before layer 0
+    C       today's pull: one slot (the whole row), `ray_ple::pull` before layer 0
+    L       the late pull: P slots of 42/P layers, every `ray_ple::pull_async` before layer
+            0, each part's `ray_ple::pull_wait` just before its first layer's gate; the
+            worker posts, then launches (the vLLM hook's order)
+    L_lf    the same, launched first, then posted (the host post overlaps the GPU)
+
+The offload side of C and L is the project's offload actor in separate CPU-only processes
+(`tests/gpu/cuda_rig.OffloadProcess`, `gather_threads` numpy threads), the two sharing the
+node's one table copy. The synthetic consumer is `bench_pull`'s (`cuda_rig.StandIn`: the
+row check, a small matmul, the next ids) for A, B, C and its late form
+(`cuda_rig.LateStandIn`) for L. Output: one JSON object per measurement (`consumer`, `T`,
+`variant`, `median_us`, `p99_us`, `wrong_words`, ...) in `<out>/model.jsonl`.
+
+`--tiny` runs the same code on CPU (transport 'cpu', eager, a narrow model, no B) as a
+smoke test of everything but the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_rig as rig
+
+import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
+import ray_ple.worker.transport.late_ops  # noqa: F401 - registers pull_async / pull_wait
+from ray_ple.protocol.shm import page_align
+
+LAYERS, D = 42, 256
+ROW_ELEMS = LAYERS * D
+ROW_BYTES = ROW_ELEMS * 2
+EMBED_ROWS = 4096
+
+
+class Shape:
+    """The stand-in's sizes: E4B's, or narrow ones for the CPU smoke run."""
+
+    def __init__(self, tiny: bool) -> None:
+        self.hidden, self.inter = (64, 128) if tiny else (2560, 10240)
+        self.q, self.kv = (64, 32) if tiny else (8 * 256, 2 * 256)
+
+
+class Weights:
+    """Every layer's own weights (bf16, 186 MB a layer at E4B's sizes)."""
+
+    def __init__(self, shape: Shape, device: torch.device, seed: int = 0) -> None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        h, i, q, kv = shape.hidden, shape.inter, shape.q, shape.kv
+
+        def w(*dims: int, scale: float = 0.02) -> torch.Tensor:
+            return (torch.randn(*dims, generator=g, device=device) * scale).to(torch.bfloat16)
+
+        self.embed = w(EMBED_ROWS, h, scale=1.0)
+        self.qkv = [w(h, q + 2 * kv) for _ in range(LAYERS)]
+        self.o = [w(q, h) for _ in range(LAYERS)]
+        self.gu = [w(h, 2 * i) for _ in range(LAYERS)]
+        self.down = [w(i, h) for _ in range(LAYERS)]
+        self.gate = [w(h, D) for _ in range(LAYERS)]
+        self.proj = [w(D, h) for _ in range(LAYERS)]
+        self.norm = [torch.ones(h, dtype=torch.bfloat16, device=device) for _ in range(3)]
+        self.shape = shape
+
+
+# where the rows come from ------------------------------------------------------------------
+class Whole:
+    """A, B, C: the whole row `[T, 42 x 256]` before layer 0; layer l reads its 256 columns."""
+
+    def __init__(self, fetch: Callable[[torch.Tensor], torch.Tensor], rows: int,
+                 device: torch.device) -> None:
+        self.fetch, self.rows = fetch, rows
+        self.cols = torch.arange(ROW_ELEMS // 2, dtype=torch.int32, device=device)
+
+    def start(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fetch(ids)
+
+    def layer(self, st: torch.Tensor, layer: int) -> torch.Tensor:
+        return st[:, layer * D:(layer + 1) * D]
+
+    def check(self, st: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return rig.wrong_words(st.view(torch.int32), ids, self.cols)
+
+
+class Late:
+    """L: P slots; every part's async pull first, each part's wait before its first layer."""
+
+    def __init__(self, late: rig.LateStandIn) -> None:
+        self.m = late
+        self.per_part = LAYERS // len(late.slots)
+
+    def start(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m.pull(ids)
+
+    def layer(self, buf: torch.Tensor, layer: int) -> torch.Tensor:
+        p, k = divmod(layer, self.per_part)
+        if k == 0:
+            self.m.wait(buf, p)
+        return buf[p][:, k * D:(k + 1) * D]
+
+    def check(self, buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        words = buf.view(torch.int32)
+        expect = ids.to(torch.int32)[None, :, None] * self.m.words + self.m.cols[:, None, :]
+        return (words != expect).sum()
+
+
+class Stack(torch.nn.Module):
+    """The E4B-shaped forward around one PLE source."""
+
+    def __init__(self, w: Weights, source: Any, rows: int) -> None:
+        super().__init__()
+        self.w, self.src, self.rows = w, source, rows
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w, s = self.w, self.w.shape
+        hid = (s.hidden,)
+        h = w.embed[ids % EMBED_ROWS]
+        st = self.src.start(ids)
+        for layer in range(LAYERS):
+            x = F.rms_norm(h, hid, w.norm[0])
+            h = h + (x @ w.qkv[layer])[:, :s.q] @ w.o[layer]
+            x = F.rms_norm(h, hid, w.norm[1])
+            gu = x @ w.gu[layer]
+            h = h + (F.gelu(gu[:, :s.inter], approximate="tanh") * gu[:, s.inter:]) @ w.down[layer]
+            ple = self.src.layer(st, layer)
+            gate = F.gelu(h @ w.gate[layer], approximate="tanh") * ple
+            h = h + F.rms_norm(gate @ w.proj[layer], hid, w.norm[2])
+        bad = self.src.check(st, ids)
+        t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+        nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
+        return bad, nxt, h
+
+
+class UvaRows(torch.nn.Module):
+    """B: rows read by SM loads straight from the registered host table."""
+
+    def __init__(self, table_dev: int, rows: int, device: int) -> None:
+        super().__init__()
+        from uva_gather import UvaGather
+
+        self.table_dev, self.rows, self.k = table_dev, rows, UvaGather(device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((ids.shape[0], ROW_ELEMS), dtype=torch.bfloat16, device=ids.device)
+        ids32 = ids.to(torch.int32)
+        self.k.launch(self.table_dev, ids32.data_ptr(), out.data_ptr(), ids.shape[0], ROW_BYTES,
+                      self.rows, torch.cuda.current_stream().cuda_stream)
+        return out
+
+
+class TableRows(torch.nn.Module):
+    """A: rows from a table in this device's memory."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.table, 0, ids)
+
+
+def pull_whole(ids: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((ids.shape[0], ROW_ELEMS), dtype=torch.bfloat16, device=ids.device)
+    torch.ops.ray_ple.pull(out, rig.LAYER)
+    return out
+
+
+# the closed loop ------------------------------------------------------------------------------
+class Loop:
+    """One forward captured in a CUDA graph (eager on CPU), stepped closed loop."""
+
+    def __init__(self, model: torch.nn.Module, ids0: torch.Tensor, pair: Any = None) -> None:
+        self.model, self.pair = model, pair
+        self.dev = ids0.device
+        self.cuda = self.dev.type == "cuda"
+        self.ids, self.err = ids0.clone(), torch.zeros((), dtype=torch.int64, device=self.dev)
+        self.host_ids = torch.empty(ids0.shape[0], dtype=torch.int64, pin_memory=self.cuda)
+        self.host_ids.copy_(ids0)
+        self.record = None
+        if not self.cuda:
+            return
+        reg = rig.registered(pair) if pair else contextlib.nullcontext()
+        local = pair.local_forward() if pair else contextlib.nullcontext()
+        with reg, local:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(self.ids)  # warm-up: a local forward (zero rows, nothing posted)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                bad, nxt, _ = model(self.ids)
+                self.err.add_(bad)
+                self.ids.copy_(nxt)
+                self.host_ids.copy_(nxt, non_blocking=True)
+        if pair is not None:
+            self.record = pair.transport.last_capture
+        self.err.zero_()
+        self.ids.copy_(ids0)
+        torch.cuda.synchronize()
+
+    def _forward(self) -> None:
+        if self.cuda:
+            self.graph.replay()
+            return
+        bad, nxt, _ = self.model(self.ids)
+        self.err.add_(bad)
+        self.ids.copy_(nxt)
+        self.host_ids.copy_(nxt)
+
+    def run(self, n: int, launch_first: bool = False) -> tuple[list[float], list[float], int]:
+        """n closed-loop steps; per-step wall stamps, host post times, wrong words."""
+        pair, stamps, posts = self.pair, [], []
+        sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
+        reg = rig.registered(pair) if (pair and not self.cuda) else contextlib.nullcontext()
+        with reg:
+            for _ in range(n):
+                sync()  # the engine's wait for its sampled tokens
+                stamps.append(time.perf_counter())
+                host = self.host_ids.numpy()
+                if pair is None:
+                    self._forward()
+                    continue
+                if launch_first:
+                    self._forward()
+                t0 = time.perf_counter()
+                with pair.step(host):
+                    posts.append(time.perf_counter() - t0)
+                    if self.record is not None:
+                        pair.transport.replayed(self.record)
+                    if not launch_first:
+                        self._forward()
+            sync()
+        stamps.append(time.perf_counter())
+        return stamps, posts, int(self.err.item())
+
+
+def stats(stamps: list[float], warm: int) -> dict[str, float]:
+    d = np.diff(np.asarray(stamps))[warm:] * 1e6
+    return {"median_us": round(float(np.median(d)), 2),
+            "p10_us": round(float(np.percentile(d, 10)), 2),
+            "p99_us": round(float(np.percentile(d, 99)), 2), "steps": int(d.size)}
+
+
+# setup --------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.device = torch.device("cpu" if a.tiny else "cuda")
+        self.transport = "cpu" if a.tiny else "cuda"
+        self.rows = a.rows
+        self.out = a.out / "model.jsonl"
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.lines: list[dict[str, Any]] = []
+        self.t_start = time.perf_counter()
+        self.offloads: list[rig.OffloadProcess] = []
+        self.pairs: dict[int, Any] = {}
+        self.geos: dict[int, Any] = {}
+
+    def setup(self) -> None:
+        a, max_t = self.a, max(self.tokens())
+        t0 = time.perf_counter()
+        ckpt = rig.write_pattern_checkpoint(a.work / "ckpt", self.rows, ROW_ELEMS)
+        self.info: dict[str, Any] = {"table_write_s": round(time.perf_counter() - t0, 2)}
+        for p in [1, *self.parts()]:
+            geo = rig.geometry(self.rows, max_t, tuple([LAYERS // p] * p) if p > 1 else (),
+                               row_elems=ROW_ELEMS)
+            off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
+                                     actor_name=f"bench-model-p{p}",
+                                     gather_threads=a.gather_threads)
+            self.offloads.append(off)
+            self.geos[p] = geo
+            self.pairs[p] = (rig.attach(off.handle, geo, self.transport) if p == 1 else
+                             rig.attach_another(off.handle, geo, self.transport))
+        self.info["offload_setup_s"] = round(time.perf_counter() - t0, 2)
+        view = rig.table_view(ckpt)
+        if self.device.type == "cuda":
+            self.table_gpu = torch.from_numpy(np.ascontiguousarray(view)).cuda().view(
+                torch.bfloat16)
+            fd = os.open(ckpt, os.O_RDWR)
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.close(fd)
+            keep = np.frombuffer(mm, dtype=np.uint8)
+            from ray_ple.worker.transport.cuda_host import register_host
+
+            reg = register_host(int(keep.ctypes.data), page_align(size), keep,
+                                what="whole PLE table (variant B)")
+            self.table_dev = reg.device_ptr + (size - self.rows * ROW_BYTES)
+        else:
+            self.table_gpu = torch.from_numpy(np.ascontiguousarray(view)).view(torch.bfloat16)
+        self.weights = Weights(Shape(a.tiny), self.device)
+        self.info["setup_s"] = round(time.perf_counter() - t0, 2)
+
+    def tokens(self) -> list[int]:
+        return [int(x) for x in self.a.tokens.split(",")]
+
+    def parts(self) -> list[int]:
+        return [int(x) for x in self.a.parts.split(",")]
+
+    def close(self) -> None:
+        for off in self.offloads:
+            with contextlib.suppress(Exception):
+                off.close()
+
+    # measuring ---------------------------------------------------------------------------
+    def emit(self, **row: Any) -> None:
+        self.lines.append(row)
+        with self.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def measure(self, consumer: str, t: int, variant: str, model: torch.nn.Module,
+                pair: Any, n: int, warm: int, launch_first: bool = False, **extra: Any) -> None:
+        if launch_first and self.device.type != "cuda":
+            return  # eager on CPU: a forward launched before its post would pull unposted
+        ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
+        t0 = time.perf_counter()
+        loop = Loop(model, ids0, pair)
+        capture_s = time.perf_counter() - t0
+        stamps, posts, wrong = loop.run(n + warm, launch_first)
+        row = {"consumer": consumer, "T": t, "variant": variant, **stats(stamps, warm),
+               "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
+        if posts:
+            row["host_post_us"] = round(float(np.median(posts[warm:])) * 1e6, 2)
+        if loop.record is not None:
+            row["copies"] = sorted({f"{c.mode}{'-late' if c.late else ''}"
+                                    for c in loop.record.copies})
+        self.emit(**row)
+        del loop
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def sources(self, t: int) -> dict[str, tuple[Any, Any]]:
+        """variant -> (PLE source for the model stack, the pair it pulls from)."""
+        dev = self.device
+        out: dict[str, tuple[Any, Any]] = {
+            "A": (Whole(TableRows(self.table_gpu), self.rows, dev), None)}
+        if dev.type == "cuda":
+            out["B"] = (Whole(UvaRows(self.table_dev, self.rows, dev.index or 0), self.rows, dev),
+                        None)
+        out["C"] = (Whole(pull_whole, self.rows, dev), self.pairs[1])
+        return out
+
+    def late_source(self, p: int) -> Late:
+        return Late(rig.LateStandIn(self.rows, self.geos[p], ROW_ELEMS).to(self.device))
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t_start > self.a.budget_s
+
+    def run_model(self) -> None:
+        a, main = self.a, self.parts()[0]
+        for t in self.tokens():
+            n, warm = (a.steps, a.warm) if t <= 256 else (a.big_steps, 3)
+            for name, (src, pair) in self.sources(t).items():
+                self.measure("model", t, name, Stack(self.weights, src, self.rows), pair, n, warm,
+                             parts=1)
+            late = Stack(self.weights, self.late_source(main), self.rows)
+            self.measure("model", t, "L", late, self.pairs[main], n, warm, parts=main)
+            self.measure("model", t, "L_lf", late, self.pairs[main], n, warm, True, parts=main)
+            if self.over_budget():
+                print(json.dumps({"skipped": "budget", "after_T": t}), flush=True)
+                return
+
+    def run_parts(self) -> None:
+        """The model's L at other part counts (both orders), at fewer token counts."""
+        a = self.a
+        for t in [int(x) for x in a.parts_tokens.split(",") if x]:
+            n, warm = (a.steps, a.warm) if t <= 256 else (a.big_steps, 3)
+            for p in self.parts()[1:]:
+                late = Stack(self.weights, self.late_source(p), self.rows)
+                self.measure("model", t, f"L_P{p}", late, self.pairs[p], n, warm, parts=p)
+                self.measure("model", t, f"L_P{p}_lf", late, self.pairs[p], n, warm, True,
+                             parts=p)
+                if self.over_budget():
+                    print(json.dumps({"skipped": "budget", "parts_after_T": t}), flush=True)
+                    return
+
+    def run_synthetic(self) -> None:
+        a, main = self.a, self.parts()[0]
+        for t in self.tokens():
+            n, warm = (a.syn_steps, a.warm) if t <= 256 else (a.big_steps * 2, 3)
+            models: dict[str, tuple[torch.nn.Module, Any]] = {}
+            base = rig.StandIn(self.rows, ROW_ELEMS).to(self.device)
+            base.ple = TableRows(self.table_gpu)
+            models["A"] = (base, None)
+            if self.device.type == "cuda":
+                b = rig.StandIn(self.rows, ROW_ELEMS).to(self.device)
+                b.ple = UvaRows(self.table_dev, self.rows, self.device.index or 0)
+                models["B"] = (b, None)
+            models["C"] = (rig.StandIn(self.rows, ROW_ELEMS).to(self.device), self.pairs[1])
+            late = rig.LateStandIn(self.rows, self.geos[main], ROW_ELEMS).to(self.device)
+            models["L"] = (late, self.pairs[main])
+            for name, (m, pair) in models.items():
+                self.measure("synthetic", t, name, m, pair, n, warm,
+                             parts=main if name == "L" else 1)
+            self.measure("synthetic", t, "L_lf", late, self.pairs[main], n, warm, True,
+                         parts=main)
+            if self.over_budget():
+                print(json.dumps({"skipped": "budget", "synthetic_after_T": t}), flush=True)
+                return
+
+
+def print_tables(lines: list[dict[str, Any]]) -> None:
+    for consumer in ("model", "synthetic"):
+        rows = [r for r in lines if r["consumer"] == consumer]
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        print(f"\n{consumer}: median us per step (added vs A) | p99 | wrong words")
+        for t in dict.fromkeys(r["T"] for r in rows):
+            at = {r["variant"]: r for r in rows if r["T"] == t}
+            base = at.get("A", {}).get("median_us", 0.0)
+            cells = [f"{v}={at[v]['median_us']:.1f}({at[v]['median_us'] - base:+.1f})"
+                     f"/p99 {at[v]['p99_us']:.0f}/w{at[v]['wrong_words']}"
+                     for v in variants if v in at]
+            print(f"T={t}: " + "  ".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=262144)
+    ap.add_argument("--tokens", default="1,8,64,256,8192")
+    ap.add_argument("--parts", default="6,2,14,42",
+                    help="part counts (divisors of 42); the first is L, the rest L_P<n>")
+    ap.add_argument("--parts-tokens", default="1,256,8192",
+                    help="token counts for the other part counts")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--syn-steps", type=int, default=2000)
+    ap.add_argument("--big-steps", type=int, default=12)
+    ap.add_argument("--warm", type=int, default=30)
+    ap.add_argument("--spin-us", type=float, default=20000)
+    ap.add_argument("--gather-threads", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
+    ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    for p in [int(x) for x in a.parts.split(",")]:
+        if LAYERS % p:
+            ap.error(f"--parts {p}: not a divisor of {LAYERS}")
+    b = Bench(a)
+    skip = set(a.skip.split(","))
+    try:
+        b.setup()
+        b.emit(consumer="info", **b.info, gpu=torch.cuda.get_device_name()
+               if b.device.type == "cuda" else "cpu", torch=torch.__version__,
+               args={k: str(v) for k, v in vars(a).items()})
+        if "model" not in skip:
+            b.run_model()
+        if "synthetic" not in skip:
+            b.run_synthetic()
+        if "parts" not in skip:
+            b.run_parts()
+        status = [off.status() for off in b.offloads]
+        b.emit(consumer="info", offload_status=[
+            {k: s[k] for k in ("state", "posted", "released", "cuda_evidence", "torch_imported",
+                               "cuda_libraries_mapped", "table_inodes")} for s in status])
+    finally:
+        b.close()
+    print_tables([r for r in b.lines if r.get("consumer") in ("model", "synthetic")])
+
+
+if __name__ == "__main__":
+    main()
