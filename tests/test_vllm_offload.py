@@ -116,3 +116,16 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
     assert (a["rank"], b["rank"]) == (0, 1) and a["pid"] != b["pid"]
     assert a["table_inodes"] == b["table_inodes"], "one host copy for both workers"
     assert a["posted"] == b["posted"] == a["released"] > 0
+
+
+def test_late_pull_in_parts_compiled_identical_to_plain(cluster):
+    """Gemma 4's offload class waits for each part at its first layer's gate; compiled by
+    torch.compile (the pull ordered after the gate), tokens equal vLLM's own compiled model."""
+    job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES,
+           "engine": {"enforce_eager": False}}
+    offload = run_engine(cluster, {**job, "ple": {"parts": 2}})
+    plain = run_engine(cluster, {**job, "ple": {"enabled": False}})
+    assert offload["tokens"] == plain["tokens"]
+    (status,) = offload["status"]
+    assert len(status["published"]) == 2, "two slots, one per layer"
+    assert status["posted"] == status["released"] == min(status["published"]) > 0

@@ -14,10 +14,11 @@ and moves the rest of the combine of layer l to layer l's gate:
               PLE gate with c_l, layer scalar (vLLM's code)
 
 `rows_for_layer(l)` pulls the part that holds layer l the first time one of its layers asks,
-then slices it. Today a step has one part, the whole row (`ray_ple::pull`, one flag): the
-wait moves from before layer 0 to layer 0's gate, and nothing in the protocol changes. A
-per-part pull op (`ray_ple::pull_part(Tensor(a!) out, str layer_name, int part)`, one flag
-per part, a layer-major slot) replaces `_pull_part` without touching anything else here.
+then slices it. A part is one slot of the pair (`ple.parts`, `PleGeometry.slots`: consecutive
+layers, one flag each, raised by the offload side as soon as its rows are written), pulled
+with `ray_ple::pull_part(out, after, slot_name)`; `after` is the asking layer's gate matmul
+output, so that no compiler can hoist the wait above the layers it is meant to overlap. With
+one part (`ple.parts: 1`) the whole row is waited for at layer 0's gate.
 
 Arithmetic: norm and combine are per row of d and elementwise, so computing them per layer
 slice gives each element the same operations in the same order on the same dtypes (the
@@ -50,6 +51,9 @@ from vllm.model_executor.models.gemma4 import (
 )
 
 from ray_ple.errors import PleConfigError, PleModelError
+from ray_ple.protocol.engine_settings import PleEngineSettings
+from ray_ple.protocol.geometry import SlotGeometry
+from ray_ple.worker.ops import pull_part_rows
 from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
 
 # sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_late_layer_forward` and
@@ -90,14 +94,9 @@ def check_mirrored_sources() -> None:
                                 "mirror (vLLM 0.32.0); use the early pull with this vLLM")
 
 
-def whole_row_parts(num_layers: int) -> tuple[range, ...]:
-    """Today's slot: one part holding every layer (one pull, one flag)."""
-    return (range(num_layers),)
-
-
 def _late_layer_forward(layer: Gemma4DecoderLayer, positions: torch.Tensor,
                         hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                        per_layer_input: Callable[[], torch.Tensor] | None,
+                        per_layer_input: Callable[[torch.Tensor], torch.Tensor] | None,
                         **kwargs: object) -> tuple[torch.Tensor, None]:
     """vLLM 0.32's `Gemma4DecoderLayer.forward`, its per-layer input asked for at the gate."""
     residual = hidden_states
@@ -122,9 +121,9 @@ def _late_layer_forward(layer: Gemma4DecoderLayer, positions: torch.Tensor,
     hidden_states = hidden_states + residual
 
     if per_layer_input is not None and layer.per_layer_input_gate is not None:
-        gate = layer.per_layer_input_gate(hidden_states)
-        gate = torch.nn.functional.gelu(gate, approximate="tanh")
-        gated_per_layer = gate * per_layer_input()  # the late wait: layer l's rows, here
+        gate_mm = layer.per_layer_input_gate(hidden_states)
+        gate = torch.nn.functional.gelu(gate_mm, approximate="tanh")
+        gated_per_layer = gate * per_layer_input(gate_mm)  # the late wait: l's rows, here
         per_layer_contribution = layer.per_layer_projection(gated_per_layer)
         per_layer_contribution = layer.post_per_layer_input_norm(per_layer_contribution)
         hidden_states = hidden_states + per_layer_contribution
@@ -143,27 +142,34 @@ class LateGemma4Model(Gemma4Model):
 
     late_parts: tuple[range, ...] = ()
     late_part_of: tuple[int, ...] = ()  # layer -> its part (trace-time constants)
+    late_slot_names: tuple[str, ...] = ()  # plain values: traced as constants
+    late_slot_elems: tuple[int, ...] = ()
 
-    def set_parts(self, parts: tuple[range, ...]) -> None:
-        """Layer groups, in order, covering every layer once (from the engine's geometry)."""
+    def set_parts(self, slots: tuple[SlotGeometry, ...]) -> None:
+        """The table's slots, in order, covering every layer once (the engine's geometry)."""
+        parts = tuple(range(s.first_layer, s.first_layer + s.num_layers) for s in slots)
         if [i for r in parts for i in r] != list(range(self.config.num_hidden_layers)):
             raise PleConfigError(f"PLE parts {parts} do not cover the "
                                  f"{self.config.num_hidden_layers} layers in order")
+        d = self.hidden_size_per_layer_input
+        if any(s.row_elems != s.num_layers * d for s in slots):
+            raise PleConfigError(f"PLE slots are not {d} values per layer")
         self.late_parts = parts
+        self.late_slot_names = tuple(s.name for s in slots)
+        self.late_slot_elems = tuple(s.row_elems for s in slots)
         self.late_part_of = tuple(p for p, r in enumerate(parts) for _ in r)
 
-    def _pull_part(self, part: int, input_ids: torch.Tensor) -> torch.Tensor:
-        """`T x (len(part) * d)` raw rows of one part. Today: the whole row (one part)."""
-        if len(self.late_parts) != 1:
-            raise PleConfigError("the per-part pull op is not there yet: one part only")
-        return self.embed_tokens_per_layer(input_ids)
+    def _pull_part(self, part: int, after: torch.Tensor) -> torch.Tensor:
+        """`T x (len(part) * d)` raw rows of one part, waited for once `after` exists."""
+        return pull_part_rows(self.late_slot_names[part], after, self.late_slot_elems[part],
+                              self.embed_tokens_per_layer.dtype)
 
-    def rows_for_layer(self, layer_idx: int, input_ids: torch.Tensor,
+    def rows_for_layer(self, layer_idx: int, after: torch.Tensor,
                        pulled: dict[int, torch.Tensor]) -> torch.Tensor:
         """Layer `layer_idx`'s `T x d` raw rows; its part is pulled on the first ask."""
         part = self.late_part_of[layer_idx]
         if part not in pulled:
-            pulled[part] = self._pull_part(part, input_ids)
+            pulled[part] = self._pull_part(part, after)
         d = self.hidden_size_per_layer_input
         k = layer_idx - self.late_parts[part].start
         return pulled[part][:, k * d:(k + 1) * d]
@@ -179,7 +185,7 @@ class LateGemma4Model(Gemma4Model):
                                             self.config.num_hidden_layers,
                                             self.hidden_size_per_layer_input)
 
-    def combine(self, layer_idx: int, projection: torch.Tensor, input_ids: torch.Tensor,
+    def combine(self, layer_idx: int, projection: torch.Tensor, after: torch.Tensor,
                 pulled: dict[int, torch.Tensor]) -> torch.Tensor:
         """Steps 4-5 of vLLM's `project_per_layer_inputs` on layer `layer_idx`'s slice.
 
@@ -189,7 +195,7 @@ class LateGemma4Model(Gemma4Model):
         """
         dec = self.self_decoder
         normed = dec.per_layer_projection_norm(projection[:, layer_idx, :])
-        rows = self.rows_for_layer(layer_idx, input_ids, pulled)
+        rows = self.rows_for_layer(layer_idx, after, pulled)
         ple = rows * dec.embed_scale_per_layer
         combined = (normed + ple) * dec.per_layer_input_scale
         torch.ops.ray_ple.settle(combined)
@@ -216,8 +222,8 @@ class LateGemma4Model(Gemma4Model):
         for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer)):
             layer_idx = self.start_layer + idx
 
-            def per_layer_input(layer_idx: int = layer_idx) -> torch.Tensor:
-                return self.combine(layer_idx, projection, input_ids, pulled)
+            def per_layer_input(after: torch.Tensor, layer_idx: int = layer_idx) -> torch.Tensor:
+                return self.combine(layer_idx, projection, after, pulled)
 
             hidden_states, residual = _late_layer_forward(
                 layer, positions, hidden_states, residual,
@@ -244,7 +250,8 @@ def _model_class(cls: type[Gemma4Model]) -> Iterator[None]:
 
 
 class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
-    """`RayPleGemma4ForCausalLM` with the late waits of `LateGemma4Model`."""
+    """`RayPleGemma4ForCausalLM` with the late waits of `LateGemma4Model`: THE offload class
+    of Gemma 4 (registered as `ARCHITECTURES[...].offload_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         check_mirrored_sources()
@@ -257,4 +264,6 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
         model = self.model
         if not isinstance(model, LateGemma4Model):
             raise PleModelError(f"expected LateGemma4Model, vLLM built {type(model).__name__}")
-        model.set_parts(whole_row_parts(model.config.num_hidden_layers))
+        settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
+        (table,) = settings.geometry.layers
+        model.set_parts(settings.geometry.slots_of(table.layer_name))
