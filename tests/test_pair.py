@@ -72,3 +72,61 @@ def test_worker_heartbeat_loss_ends_the_pair(ckpt, tmp_path):
     off.join(10)
     assert off.exitcode == EXIT_CODE
     assert block.state is State.FAILED and block.reason == Reason.HEARTBEAT
+
+
+def _parts_worker(handle: dict, geometry: dict, steps: list[list[int]], table_path: str,
+                  conn) -> None:  # noqa: ANN001
+    """Pull every slot of every step, each part checked against its columns of the table."""
+    import torch
+
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.geometry import PleGeometry
+    from ray_ple.worker.pair import WorkerPair
+
+    expect = np.load(table_path)
+    geo = PleGeometry.model_validate(geometry)
+    pair = WorkerPair.attach(PairHandle.model_validate(handle), geo, rank=0, transport="cpu",
+                             deadlines=PleDeadlines(step_s=10.0), heartbeat_s=0.05)
+    bad = 0
+    for ids in steps:
+        arr = np.asarray(ids, dtype=np.int32)
+        mapped = np.where((arr >= 0) & (arr < geo.layers[0].rows), arr, 0)
+        with pair.step(arr):
+            for i, slot in enumerate(geo.slots()):
+                out = torch.empty((len(ids), slot.row_elems), dtype=torch.bfloat16)
+                pair.pull(i, out)
+                got = out.view(torch.uint8).numpy().reshape(len(ids), slot.row_bytes)
+                want = expect[mapped, slot.col_offset:slot.col_offset + slot.row_bytes]
+                bad += int((got != want).any(axis=1).sum())
+    conn.send(("done", bad, pair.block.counters()))
+    conn.recv()
+
+
+def test_parts_are_published_and_pulled_each_with_its_columns(ckpt, tmp_path):
+    from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
+    from tests.rig import CTX
+
+    path, table = ckpt
+    spec = spec_for(path, max_tokens=64)
+    geo = geometry_from_config(read_hf_config(path), max_tokens=64, parts=3)
+    spec = spec.model_copy(update={"geometry": geo})
+    assert [(s.name, s.first_layer, s.num_layers) for s in geo.slots()] == [
+        ("model.embed_tokens_per_layer#0", 0, 1), ("model.embed_tokens_per_layer#1", 1, 1),
+        ("model.embed_tokens_per_layer#2", 2, 2)]
+    rng = np.random.default_rng(2)
+    steps = [rng.integers(-3, 560, size=int(rng.integers(0, 65))).tolist() for _ in range(300)]
+    off, handle, off_conn = start_offload(spec)
+    np.save(tmp_path / "expect.npy", table)
+    parent, child = CTX.Pipe()
+    wproc = CTX.Process(target=_parts_worker, args=(handle, geo.model_dump(), steps,
+                                                    str(tmp_path / "expect.npy"), child),
+                        daemon=True)
+    wproc.start()
+    status, bad, counters = parent.recv()
+    assert (status, bad) == ("done", 0)
+    assert counters == (300, (300, 300, 300), 300)
+    parent.send("stop")
+    off_conn.send("stop")
+    wproc.join(10)
+    off.join(10)
+    assert ple_shm_entries() == []
