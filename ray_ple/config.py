@@ -37,7 +37,7 @@ class PleConfig(Frozen):
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
     parts: Annotated[int, Field(ge=1, le=128)] | Literal["auto"] = Field(
-        1, description="slots per table row, each of consecutive layers with its own "
+        "auto", description="slots per table row, each of consecutive layers with its own "
         "flag, waited for at its first layer (late waits); auto: groups of about 6 layers; "
         "1: the whole row at once"
     )

@@ -135,8 +135,12 @@ def _install_step_clock(worker: Any) -> None:
         setattr(runner, name, stamp(kind, getattr(runner, name)))
     lookups = {id(m): m for n, m in runner.model.named_modules()
                if n.endswith("embed_tokens_per_layer")}
-    for module in lookups.values():  # the PLE lookup: vLLM's embedding, or ray-ple's pull
-        module.forward = stamp("lookup", module.forward)
+    late = runner.model.model if hasattr(runner.model.model, "_pull_part") else None
+    if late is not None:  # the late pull: each part's wait and copy, at its first layer
+        late._pull_part = stamp("lookup", late._pull_part)
+    else:
+        for module in lookups.values():  # the PLE lookup: vLLM's embedding, or the early pull
+            module.forward = stamp("lookup", module.forward)
     worker.bench_step_clock = events
 
 
@@ -334,8 +338,9 @@ def clock_steps(events: list[list[Any]]) -> list[dict[str, int]]:
                 steps[-1]["T"] = t
                 steps[-1]["forward_start"] = t0
         elif steps and kind == "lookup" and "forward_start" in steps[-1]:
-            steps[-1]["to_lookup"] = t0 - steps[-1]["forward_start"]
-            steps[-1]["lookup"] = t1 - t0
+            # late pull: to_lookup runs to the first part's wait, lookup sums every part's
+            steps[-1].setdefault("to_lookup", t0 - steps[-1]["forward_start"])
+            steps[-1]["lookup"] = steps[-1].get("lookup", 0) + t1 - t0
     for s in steps:
         if "to_lookup" in s:
             s["after_lookup"] = s["forward"] - s["to_lookup"] - s["lookup"]
@@ -503,6 +508,9 @@ def decode_step_estimates(off: dict[str, Any], plain: dict[str, Any]) -> dict[st
     (post, doorbell) plus the lookup itself (pull op, wait, copy); the rest of the forward is
     the same code on both sides. ratio_from_pair: the plain period over itself plus that.
     """
+    if None in (off["to_lookup_us"], plain["to_lookup_us"]):
+        return {"period_ratio": plain["period_us"] / off["period_us"],
+                "forward_added_us": off["forward_us"] - plain["forward_us"]}
     added = (off["to_lookup_us"] - plain["to_lookup_us"]) + (off["lookup_us"] - plain["lookup_us"])
     return {"period_ratio": plain["period_us"] / off["period_us"],
             "forward_added_us": off["forward_us"] - plain["forward_us"],
