@@ -282,7 +282,7 @@ class Bench:
         self.lines: list[dict[str, Any]] = []
         self.t_start = time.perf_counter()
         self.offloads: list[rig.OffloadProcess] = []
-        self.pairs: dict[int, Any] = {}
+        self.pairs: dict[tuple[int, bool], Any] = {}
         self.geos: dict[int, Any] = {}
 
     def setup(self) -> None:
@@ -290,16 +290,22 @@ class Bench:
         t0 = time.perf_counter()
         ckpt = rig.write_pattern_checkpoint(a.work / "ckpt", self.rows, ROW_ELEMS)
         self.info: dict[str, Any] = {"table_write_s": round(time.perf_counter() - t0, 2)}
+        # offload processes per part count, and per gather width: `gather_threads` for the
+        # decode sizes, `gather_threads_big` above 256 tokens (a pool per part costs more
+        # than it saves on small steps: bench/cuda/README.md)
+        widths = {False: a.gather_threads, True: a.gather_threads_big}
         for p in [1, *self.parts()]:
             geo = rig.geometry(self.rows, max_t, tuple([LAYERS // p] * p) if p > 1 else (),
                                row_elems=ROW_ELEMS)
-            off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
-                                     actor_name=f"bench-model-p{p}",
-                                     gather_threads=a.gather_threads)
-            self.offloads.append(off)
             self.geos[p] = geo
-            self.pairs[p] = (rig.attach(off.handle, geo, self.transport) if p == 1 else
-                             rig.attach_another(off.handle, geo, self.transport))
+            for big, threads in widths.items():
+                off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
+                                         actor_name=f"bench-model-p{p}-{threads}",
+                                         gather_threads=threads)
+                self.offloads.append(off)
+                first = not self.pairs
+                self.pairs[p, big] = (rig.attach(off.handle, geo, self.transport) if first
+                                      else rig.attach_another(off.handle, geo, self.transport))
         self.info["offload_setup_s"] = round(time.perf_counter() - t0, 2)
         view = rig.table_view(ckpt)
         if self.device.type == "cuda":
@@ -343,6 +349,9 @@ class Bench:
         if launch_first and self.device.type != "cuda":
             return  # eager on CPU: a forward launched before its post would pull unposted
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
+        if pair is not None:
+            extra["gather_threads"] = (self.a.gather_threads_big if t > 256
+                                       else self.a.gather_threads)
         t0 = time.perf_counter()
         loop = Loop(model, ids0, pair)
         capture_s = time.perf_counter() - t0
@@ -367,7 +376,7 @@ class Bench:
         if dev.type == "cuda":
             out["B"] = (Whole(UvaRows(self.table_dev, self.rows, dev.index or 0), self.rows, dev),
                         None)
-        out["C"] = (Whole(pull_whole, self.rows, dev), self.pairs[1])
+        out["C"] = (Whole(pull_whole, self.rows, dev), self.pairs[1, t > 256])
         return out
 
     def late_source(self, p: int) -> Late:
@@ -384,8 +393,9 @@ class Bench:
                 self.measure("model", t, name, Stack(self.weights, src, self.rows), pair, n, warm,
                              parts=1)
             late = Stack(self.weights, self.late_source(main), self.rows)
-            self.measure("model", t, "L", late, self.pairs[main], n, warm, parts=main)
-            self.measure("model", t, "L_lf", late, self.pairs[main], n, warm, True, parts=main)
+            pair = self.pairs[main, t > 256]
+            self.measure("model", t, "L", late, pair, n, warm, parts=main)
+            self.measure("model", t, "L_lf", late, pair, n, warm, True, parts=main)
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "after_T": t}), flush=True)
                 return
@@ -397,9 +407,9 @@ class Bench:
             n, warm = (a.steps, a.warm) if t <= 256 else (a.big_steps, 3)
             for p in self.parts()[1:]:
                 late = Stack(self.weights, self.late_source(p), self.rows)
-                self.measure("model", t, f"L_P{p}", late, self.pairs[p], n, warm, parts=p)
-                self.measure("model", t, f"L_P{p}_lf", late, self.pairs[p], n, warm, True,
-                             parts=p)
+                pair = self.pairs[p, t > 256]
+                self.measure("model", t, f"L_P{p}", late, pair, n, warm, parts=p)
+                self.measure("model", t, f"L_P{p}_lf", late, pair, n, warm, True, parts=p)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "parts_after_T": t}), flush=True)
                     return
@@ -416,14 +426,15 @@ class Bench:
                 b = rig.StandIn(self.rows, ROW_ELEMS).to(self.device)
                 b.ple = UvaRows(self.table_dev, self.rows, self.device.index or 0)
                 models["B"] = (b, None)
-            models["C"] = (rig.StandIn(self.rows, ROW_ELEMS).to(self.device), self.pairs[1])
+            models["C"] = (rig.StandIn(self.rows, ROW_ELEMS).to(self.device),
+                           self.pairs[1, t > 256])
             late = rig.LateStandIn(self.rows, self.geos[main], ROW_ELEMS).to(self.device)
-            models["L"] = (late, self.pairs[main])
+            models["L"] = (late, self.pairs[main, t > 256])
             for name, (m, pair) in models.items():
                 self.measure("synthetic", t, name, m, pair, n, warm,
                              parts=main if name == "L" else 1)
-            self.measure("synthetic", t, "L_lf", late, self.pairs[main], n, warm, True,
-                         parts=main)
+            self.measure("synthetic", t, "L_lf", late, self.pairs[main, t > 256], n, warm,
+                         True, parts=main)
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "synthetic_after_T": t}), flush=True)
                 return
@@ -447,7 +458,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--tokens", default="1,8,64,256,8192")
-    ap.add_argument("--parts", default="6,2,14,42",
+    ap.add_argument("--parts", default="7,2,14",
                     help="part counts (divisors of 42); the first is L, the rest L_P<n>")
     ap.add_argument("--parts-tokens", default="1,256,8192",
                     help="token counts for the other part counts")
@@ -456,7 +467,8 @@ def main() -> None:
     ap.add_argument("--big-steps", type=int, default=12)
     ap.add_argument("--warm", type=int, default=30)
     ap.add_argument("--spin-us", type=float, default=20000)
-    ap.add_argument("--gather-threads", type=int, default=8)
+    ap.add_argument("--gather-threads", type=int, default=1, help="offload, T <= 256")
+    ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")

@@ -237,19 +237,22 @@ def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
 @needs_cuda
 @pytest.mark.parametrize("mode", ["early", "late"])
 def test_stale_step_stamp_fails_closed_on_the_gpu(ckpt: Path, tmp_path: Path, mode: str) -> None:
-    """A slot stamped with another step: the copy traps, the reason word names it, nothing
-    after the copy runs (the release never advances `released`)."""
+    """A slot stamped with another step: the copy traps after writing the reason word and
+    FAILED (the offload side reads them and ends itself), the forward's next CUDA call
+    raises and the worker fails closed (exit 86): the step's tokens never leave."""
     from ray_ple.worker.transport.cuda import STAMP_REASON
 
     (tmp_path / "ckpt").symlink_to(ckpt)
     proc = subprocess.run([sys.executable, str(RIG), f"stamp-{mode}", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    assert out["error"], f"the stale slot was consumed: {out}"
-    assert out["state"] == "FAILED" and out["reason"] == int(STAMP_REASON), out
-    assert out["released"] == out["posted"] - 1, out
+    verdicts = [json.loads(line) for line in proc.stderr.splitlines()
+                if '"verdict"' in line and line.startswith("{")]
+    assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
+    offload = [v for v in verdicts if v["where"] == "offload"]
+    worker = [v for v in verdicts if v["where"] == "worker"]
+    assert offload and offload[0]["reason"] == "PEER_FAILED", verdicts
+    assert f"reason {STAMP_REASON.name}" in offload[0]["detail"], verdicts
+    assert worker and "CUDA error" in worker[0]["detail"], verdicts
 
 
 # the rig itself (runs everywhere) ----------------------------------------------------------
