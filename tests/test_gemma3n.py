@@ -9,17 +9,12 @@ table alone differs (the worker loads everything else from it, and holds no tabl
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import ray
 
 from ray_ple.tiny_model import PRESETS, build
+from tests.engines import flat, local_cluster, run_job
 from tests.gemma3n_reference import ARCH
 from tests.hf_reference import hf_agrees
 
@@ -35,74 +30,45 @@ SPEC = PRESETS["tiny-gemma3n"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    yield from local_cluster()
 
 
-def run_job(address: str, job: dict, module: str = "tests.engine_job",
-            env: dict | None = None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", module, json.dumps(job)],
-        env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-        capture_output=True, text=True, timeout=600,
-        cwd=os.path.dirname(os.path.dirname(__file__)))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
-def _flat(tokens: list[list[list[int]]]) -> list[list[int]]:
-    return [t for batch in tokens for t in batch]
 
 
-def _altered_table(tmp: Path) -> str:
-    """The tiny 3n checkpoint with its PLE table negated, every other file the same."""
-    from safetensors.torch import load_file, save_file
-
-    src = build(SPEC)
-    for f in src.iterdir():
-        if f.name != "model.safetensors" and not f.name.startswith("."):
-            (tmp / f.name).symlink_to(f)
-    weights = load_file(src / "model.safetensors")
-    weights["model.embed_tokens_per_layer.weight"] = -weights["model.embed_tokens_per_layer.weight"]
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    return str(tmp)
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, tmp_path_factory):
-    offload = run_job(cluster, {"model": "ray-ple://tiny-gemma3n", "batches": BATCHES})
+def runs(cluster):
+    offload = run_job(cluster, {"model": "ray-ple://tiny-gemma3n", "batches": BATCHES,
+                                "altered_table": 0.0})
     reference = run_job(cluster, {"model": "ray-ple://tiny-gemma3n", "batches": BATCHES,
                                   "ple": {"enabled": False},
                                   "engine": {"hf_overrides": {"architectures": [ARCH]}}},
                         module="tests.gemma3n_reference",
                         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    altered = run_job(cluster, {"model": _altered_table(tmp_path_factory.mktemp("g3n")),
-                                "batches": BATCHES})
-    return offload, reference, altered
+    return offload, reference
 
 
 @pytest.mark.slow
 def test_greedy_tokens_identical_to_unoffloaded_and_hf(runs):
-    offload, reference, _ = runs
+    offload, reference = runs
     assert offload["tokens"] == reference["tokens"]
     assert any(t >= SPEC.vocab_size_per_layer_input for p in PROMPTS for t in p)
-    problems, near_ties = hf_agrees(str(build(SPEC)), PROMPTS, _flat(offload["tokens"]))
+    problems, near_ties = hf_agrees(str(build(SPEC)), PROMPTS, flat(offload["tokens"]))
     assert problems == [] and near_ties <= 3
 
 
 @pytest.mark.slow
 def test_the_offloaded_table_is_really_used(runs):
-    offload, _, altered = runs
-    assert altered["tokens"] != offload["tokens"]
-    (inv_altered,) = altered["inventory"]
-    assert not [n for n, _ in inv_altered if "embed_tokens_per_layer" in n]
+    offload, _ = runs
+    assert offload["tokens_altered_table"] != offload["tokens"]
 
 
 @pytest.mark.slow
 def test_worker_holds_no_ple_table(runs):
-    offload, reference, _ = runs
+    offload, reference = runs
     (inv_off,), (inv_ref,) = offload["inventory"], reference["inventory"]
     assert [n for n, _ in inv_ref if "embed_tokens_per_layer" in n], "sanity: reference holds it"
     assert not [n for n, _ in inv_off if "embed_tokens_per_layer" in n]
@@ -117,7 +83,7 @@ def test_worker_holds_no_ple_table(runs):
 
 @pytest.mark.slow
 def test_one_transaction_per_forward_and_no_cuda_in_the_offload_actor(runs):
-    offload, _, _ = runs
+    offload, _ = runs
     (status,) = offload["status"]
     assert status["cuda_evidence"] == [] and status["torch_imported"] is False
     assert status["state"] == "READY" and status["posted"] == status["released"] > 0

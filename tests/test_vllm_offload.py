@@ -5,16 +5,12 @@ Each engine runs in its own process (tests/engine_job.py) against this module's 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-import ray
 
 from ray_ple.tiny_model import PRESETS, build
+from tests.engines import flat, local_cluster, run_job
 from tests.hf_reference import hf_agrees
 
 pytestmark = pytest.mark.slow
@@ -30,32 +26,18 @@ PROMPTS = [p for batch in BATCHES for p in batch]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    address = ray.get_runtime_context().gcs_address
-    yield address
-    ray.shutdown()
+    yield from local_cluster()
 
 
-def run_engine(address: str, job: dict, env: dict | None = None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine_job", json.dumps(job)],
-        env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-        capture_output=True, text=True, timeout=600,
-        cwd=os.path.dirname(os.path.dirname(__file__)))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
-def _flat(tokens: list[list[list[int]]]) -> list[list[int]]:
-    return [t for batch in tokens for t in batch]
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(cluster):
     model = "ray-ple://tiny-gemma4"
-    offload = run_engine(cluster, {"model": model, "batches": BATCHES, "altered_table": 0.0})
-    plain = run_engine(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
+    offload = run_job(cluster, {"model": model, "batches": BATCHES, "altered_table": 0.0})
+    plain = run_job(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
     return offload, plain
 
 
@@ -63,7 +45,7 @@ def test_greedy_tokens_identical_to_unoffloaded_and_hf(tiny_runs):
     offload, plain = tiny_runs
     assert offload["tokens"] == plain["tokens"]
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4"])), PROMPTS,
-                                    _flat(offload["tokens"]))
+                                    flat(offload["tokens"]))
     assert problems == [] and near_ties <= 3
 
 
@@ -96,12 +78,12 @@ def test_offload_actor_has_no_cuda_context(tiny_runs):
 
 def test_smaller_ple_vocabulary_maps_ids_like_vllm(cluster):
     model = "ray-ple://tiny-gemma4-ple192"
-    offload = run_engine(cluster, {"model": model, "batches": BATCHES})
-    plain = run_engine(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
+    offload = run_job(cluster, {"model": model, "batches": BATCHES})
+    plain = run_job(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
     assert offload["tokens"] == plain["tokens"]
     assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
-                                    _flat(offload["tokens"]))
+                                    flat(offload["tokens"]))
     assert problems == [] and near_ties <= 3
 
 
@@ -109,8 +91,8 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
     job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES[1:],
            "engine": {"tensor_parallel_size": 2}}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    offload = run_engine(cluster, job, env)
-    plain = run_engine(cluster, {**job, "ple": {"enabled": False}}, env)
+    offload = run_job(cluster, job, env)
+    plain = run_job(cluster, {**job, "ple": {"enabled": False}}, env)
     assert offload["tokens"] == plain["tokens"]
     a, b = offload["status"]
     assert (a["rank"], b["rank"]) == (0, 1) and a["pid"] != b["pid"]
@@ -123,8 +105,8 @@ def test_late_pull_in_parts_compiled_identical_to_plain(cluster):
     torch.compile (the pull ordered after the gate), tokens equal vLLM's own compiled model."""
     job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES,
            "engine": {"enforce_eager": False}}
-    offload = run_engine(cluster, {**job, "ple": {"parts": 2}})
-    plain = run_engine(cluster, {**job, "ple": {"enabled": False}})
+    offload = run_job(cluster, {**job, "ple": {"parts": 2}})
+    plain = run_job(cluster, {**job, "ple": {"enabled": False}})
     assert offload["tokens"] == plain["tokens"]
     (status,) = offload["status"]
     assert len(status["published"]) == 2, "two slots, one per layer"

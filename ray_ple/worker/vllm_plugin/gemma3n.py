@@ -19,32 +19,22 @@ weights are skipped (the architecture is overridden, so vLLM sees no multimodal 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ray_ple.errors import PleConfigError, PleHandleError
+from ray_ple.errors import PleConfigError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker.vllm_plugin.attach import attach_worker
-from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
+from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
 
 _SKIP = "embed_tokens_per_layer."
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
            "model.embed_audio.", "model.multi_modal_projector.")
 _LANGUAGE_MODEL = "model.language_model."
 
-
-@contextmanager
-def _placeholder_table(text_config) -> Iterator[None]:  # noqa: ANN001 - HF config
-    real = text_config.vocab_size_per_layer_input
-    text_config.vocab_size_per_layer_input = 1
-    try:
-        yield
-    finally:
-        text_config.vocab_size_per_layer_input = real
 
 
 def _text_only(vllm_config: VllmConfig) -> VllmConfig:
@@ -70,25 +60,14 @@ class RayPleGemma3nForCausalLM(Gemma3nForCausalLM):
         (layer,) = settings.geometry.layers
         text_vllm_config = _text_only(vllm_config)
         text = text_vllm_config.model_config.hf_config
-        if text.vocab_size_per_layer_input != layer.rows:
-            raise PleConfigError(f"checkpoint has {text.vocab_size_per_layer_input} PLE rows, "
-                                 f"the offload geometry {layer.rows}")
         if text.num_hidden_layers * text.hidden_size_per_layer_input != layer.row_elems:
             raise PleConfigError(f"checkpoint rows have {text.num_hidden_layers} x "
                                  f"{text.hidden_size_per_layer_input} values, the offload "
                                  f"geometry {layer.row_elems}")
-        with _placeholder_table(text):
+        with without_table(text, layer):
             super().__init__(vllm_config=text_vllm_config, prefix=prefix)
-        name = f"{maybe_prefix(prefix, 'model')}.embed_tokens_per_layer"
-        if name != layer.layer_name:
-            raise PleHandleError(f"model's PLE layer is {name!r}, handles name "
-                                 f"{layer.layer_name!r}")
-        dtype = vllm_config.model_config.dtype
-        if dtype != getattr(torch, layer.dtype):
-            raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
-                                 f"{layer.dtype}")
-        self.model.self_decoder.embed_tokens_per_layer = PleOffloadEmbedding(
-            layer.layer_name, layer.row_elems, dtype)
+        self.model.self_decoder.embed_tokens_per_layer = offload_embedding(
+            layer, maybe_prefix(prefix, "model"), vllm_config.model_config.dtype)
         embed = self.model.embed_tokens.weight
         # As vLLM's Gemma3nForConditionalGeneration: one buffer for the forward's whole life,
         # so that a captured graph reads the step's rows at a fixed address.

@@ -10,30 +10,19 @@ and the scale applied after the lookup, is vLLM's code unchanged: outputs stay b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM, _get_text_config
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ray_ple.errors import PleConfigError, PleHandleError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker.vllm_plugin.attach import attach_worker
-from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
+from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
 
 _SKIP = "embed_tokens_per_layer."
 
-
-@contextmanager
-def _placeholder_table(text_config) -> Iterator[None]:  # noqa: ANN001 - HF config
-    real = text_config.vocab_size_per_layer_input
-    text_config.vocab_size_per_layer_input = 1
-    try:
-        yield
-    finally:
-        text_config.vocab_size_per_layer_input = real
 
 
 class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
@@ -41,20 +30,10 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
         (layer,) = settings.geometry.layers
         text = _get_text_config(vllm_config.model_config.hf_config)
-        if text.vocab_size_per_layer_input != layer.rows:
-            raise PleConfigError(f"checkpoint has {text.vocab_size_per_layer_input} PLE rows, "
-                                 f"the offload geometry {layer.rows}")
-        with _placeholder_table(text):
+        with without_table(text, layer):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        name = f"{maybe_prefix(prefix, 'model')}.embed_tokens_per_layer"
-        if name != layer.layer_name:
-            raise PleHandleError(f"model's PLE layer is {name!r}, handles name "
-                                 f"{layer.layer_name!r}")
-        dtype = vllm_config.model_config.dtype
-        if dtype != getattr(torch, layer.dtype):
-            raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
-                                 f"{layer.dtype}")
-        offload = PleOffloadEmbedding(layer.layer_name, layer.row_elems, dtype)
+        offload = offload_embedding(layer, maybe_prefix(prefix, "model"),
+                                    vllm_config.model_config.dtype)
         self.model.embed_tokens_per_layer = offload
         self.model.self_decoder.embed_tokens_per_layer = offload
         self.model.vocab_size_per_layer_input = layer.rows

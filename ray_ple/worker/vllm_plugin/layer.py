@@ -7,10 +7,43 @@ full (not vocab-sharded), so no tensor-parallel all-reduce follows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 from torch import nn
 
+from ray_ple.errors import PleConfigError, PleHandleError
+from ray_ple.protocol.geometry import LayerGeometry
 from ray_ple.worker.ops import pull_rows
+
+
+@contextmanager
+def without_table(text_config: Any, layer: LayerGeometry) -> Iterator[None]:
+    """Construct the model over a one-row placeholder table (never allocated in the worker);
+    the config attribute is restored at once. The checkpoint must have the geometry's rows."""
+    real = text_config.vocab_size_per_layer_input
+    if real != layer.rows:
+        raise PleConfigError(f"checkpoint has {real} PLE rows, the offload geometry "
+                             f"{layer.rows}")
+    text_config.vocab_size_per_layer_input = 1
+    try:
+        yield
+    finally:
+        text_config.vocab_size_per_layer_input = real
+
+
+def offload_embedding(layer: LayerGeometry, model_name: str,
+                      dtype: torch.dtype) -> PleOffloadEmbedding:
+    """The module that replaces the model's PLE lookup, once names and dtype agree."""
+    name = f"{model_name}.embed_tokens_per_layer"
+    if name != layer.layer_name:
+        raise PleHandleError(f"model's PLE layer is {name!r}, handles name {layer.layer_name!r}")
+    if dtype != getattr(torch, layer.dtype):
+        raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
+                             f"{layer.dtype}")
+    return PleOffloadEmbedding(layer.layer_name, layer.row_elems, dtype)
 
 
 class PleOffloadEmbedding(nn.Module):

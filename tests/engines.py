@@ -1,0 +1,38 @@
+"""Engines in their own processes against one module's Ray cluster (tests/engine_job.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import ray
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def local_cluster() -> Iterator[str]:
+    """A module's Ray cluster (use as a module-scoped fixture); yields its address."""
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def run_job(address: str, job: dict, module: str = "tests.engine_job",
+            env: dict | None = None) -> dict:
+    """One engine run in its own process; its `RESULT` line as a dict."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(job)],
+        env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def flat(tokens: list[list[list[int]]]) -> list[list[int]]:
+    return [t for batch in tokens for t in batch]
