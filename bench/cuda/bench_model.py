@@ -440,6 +440,41 @@ class Bench:
                 return
 
 
+def run_turnaround(b: Bench) -> None:
+    """Post -> each slot's flag, seen by the host (the offload side's publish times).
+
+    The forward is launched only once every flag is up, so the GPU takes no part in these
+    times: they say when each part could reach the GPU at the earliest."""
+    a, main = b.a, b.parts()[0]
+    for t in b.tokens():
+        n = 100 if t <= 256 else 8
+        for p in (1, main):
+            pair = b.pairs[p, t > 256]
+            model = (rig.StandIn(b.rows, ROW_ELEMS) if p == 1 else
+                     rig.LateStandIn(b.rows, b.geos[p], ROW_ELEMS)).to(b.device)
+            loop = Loop(model, torch.from_numpy(rig.first_ids(t, b.rows, t)).to(b.device), pair)
+            flags = pair.block.flags
+            seen: list[list[float]] = [[] for _ in flags]
+            for _ in range(n + 5):
+                torch.cuda.current_stream().synchronize()
+                host = loop.host_ids.numpy()
+                t0 = time.perf_counter()
+                with pair.step(host):
+                    pending, deadline = list(range(len(flags))), t0 + 10
+                    while pending and time.perf_counter() < deadline:
+                        now = time.perf_counter()
+                        for j in [j for j in pending if int(flags[j][0]) == 1]:
+                            seen[j].append(now - t0)
+                            pending.remove(j)
+                    pair.transport.replayed(loop.record)
+                    loop.graph.replay()
+            torch.cuda.synchronize()
+            b.emit(consumer="turnaround", T=t, variant="C" if p == 1 else "L", parts=p,
+                   gather_threads=a.gather_threads_big if t > 256 else a.gather_threads,
+                   flag_up_us=[round(float(np.median(v[5:])) * 1e6, 1) for v in seen],
+                   wrong_words=int(loop.err.item()))
+
+
 def print_tables(lines: list[dict[str, Any]]) -> None:
     for consumer in ("model", "synthetic"):
         rows = [r for r in lines if r["consumer"] == consumer]
@@ -491,6 +526,8 @@ def main() -> None:
             b.run_synthetic()
         if "parts" not in skip:
             b.run_parts()
+        if "turnaround" not in skip and b.device.type == "cuda":
+            run_turnaround(b)
         status = [off.status() for off in b.offloads]
         b.emit(consumer="info", offload_status=[
             {k: s[k] for k in ("state", "posted", "released", "cuda_evidence", "torch_imported",
