@@ -138,11 +138,11 @@ def _footprint_back(rig, base, timeout: float = 45) -> list[str]:
 
 def _side(rig, v) -> dict:
     """The `verdict` line of whoever found the cause: a side that failed closed before the
-    supervisor's detection, else the supervisor itself (lines after it are consequences,
-    e.g. a consumer that sees the pair FAILED)."""
+    supervisor's detection, else the supervisor itself (PEER_FAILED lines, and lines after
+    the detection, are consequences, e.g. a consumer that sees the pair FAILED)."""
     lines = rig["logs"].verdicts()
     causes = [ln for ln in lines if ln.get("where") != "supervisor"
-              and ln["ts"] <= v.detected_at + 0.001]
+              and ln["reason"] != "PEER_FAILED" and ln["ts"] < v.detected_at]
     return causes[0] if causes else {"where": "supervisor", "reason": v.reason}
 
 

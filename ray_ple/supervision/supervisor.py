@@ -177,6 +177,8 @@ class Supervisor:
                                    "not a live process of this replica")
                 pids.append(pid)
             self._engine_started = True
+            # vLLM's queues exist now; a verdict kills first, when the maps are read no more
+            self._shm_files = shm_files_of(self._procs.named())
             return EngineAttached(worker_pids=tuple(pids))
 
     def verdict(self) -> Verdict | None:
@@ -317,7 +319,8 @@ class Supervisor:
             gone_at=time.time(), detect_to_gone_s=round(time.monotonic() - t0, 4),
             pids=tuple(sorted(procs)), survivors=tuple(survivors)))
         self._verdict = verdict
-        shm_removed = remove_unused(shm_files_of(procs))  # nothing of the replica maps them
+        # what the replica mapped when its engine started, and what it still maps: unused now
+        shm_removed = remove_unused(self._shm_files | shm_files_of(procs))
         log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
                   detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),
                   survivors=survivors, shm_removed=shm_removed, failures=failures)
