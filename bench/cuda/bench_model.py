@@ -52,8 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_rig as rig
 
-import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
-import ray_ple.worker.transport.late_ops  # noqa: F401 - registers pull_async / pull_wait
+import ray_ple.worker.ops  # noqa: F401 - registers pull, pull_async, pull_wait
 from ray_ple.protocol.shm import page_align
 
 LAYERS, D = 42, 256

@@ -1,11 +1,19 @@
-"""The pull ops: `ray_ple::pull(Tensor(a!) out, str layer_name) -> ()` and
-`ray_ple::pull_part(Tensor(a!) out, Tensor after, str slot_name) -> ()`.
+"""The pull ops, each resolving this process's pair by slot name on every call:
+
+    pull(Tensor(a!) out, str layer_name)                  the rows of a slot, now
+    pull_part(Tensor(a!) out, Tensor after, str slot)     the same, ordered after `after`
+    pull_async(Tensor(a!) out, str slot) / pull_wait(..)  start a slot's pull (CUDA: on a side
+                                                          stream), join it before first use
 
 Arguments are only process-stable values: the output buffer (its row count is T) and the
 slot's name (a table's name, or `table#p` for part p, `PleGeometry.slots`). The live segment,
 flags and device pointers are resolved from this process's registry on every call, so a
 torch.compile artefact loaded by another process can never wait on an address of the
 process that compiled it.
+
+`pull_async`/`pull_wait` split one pull so that a model (or the CUDA bench's stand-in) can
+start every part at the top of its forward and join each just before its layer; both mutate
+`out`, so a tracer keeps them in order. A synchronous transport (CPU) pulls in `pull_async`.
 
 `pull_part` is the late wait: `after` (read, never written) is a tensor the layer computes
 just before it needs the part (its PLE gate's matmul). Nothing in a graph orders an op
@@ -23,6 +31,8 @@ from ray_ple.worker import pair as worker_pair
 _LIB = torch.library.Library("ray_ple", "DEF")
 _LIB.define("pull(Tensor(a!) out, str layer_name) -> ()")
 _LIB.define("pull_part(Tensor(a!) out, Tensor after, str slot_name) -> ()")
+_LIB.define("pull_async(Tensor(a!) out, str layer_name) -> ()")
+_LIB.define("pull_wait(Tensor(a!) out, str layer_name) -> ()")
 
 
 def _pull(out: torch.Tensor, layer_name: str) -> None:
@@ -41,11 +51,25 @@ def _pull_part_fake(out: torch.Tensor, after: torch.Tensor, slot_name: str) -> N
     return None
 
 
+def _pull_async(out: torch.Tensor, layer_name: str) -> None:
+    pair, index = worker_pair.resolve(layer_name)
+    pair.pull_async(index, out)
+
+
+def _pull_wait(out: torch.Tensor, layer_name: str) -> None:
+    pair, index = worker_pair.resolve(layer_name)
+    pair.pull_wait(index, out)
+
+
 for _key in ("CPU", "CUDA"):
     _LIB.impl("pull", _pull, _key)
     _LIB.impl("pull_part", _pull_part, _key)
+    _LIB.impl("pull_async", _pull_async, _key)
+    _LIB.impl("pull_wait", _pull_wait, _key)
 torch.library.register_fake("ray_ple::pull", _pull_fake, lib=_LIB)
 torch.library.register_fake("ray_ple::pull_part", _pull_part_fake, lib=_LIB)
+torch.library.register_fake("ray_ple::pull_async", _pull_fake, lib=_LIB)
+torch.library.register_fake("ray_ple::pull_wait", _pull_fake, lib=_LIB)
 
 
 def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,

@@ -111,11 +111,22 @@ class WorkerPair:
             self.worker.end_local()
 
     def pull(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(layer, out, self.transport.pull, self.transport.satisfy_locally)
+
+    def pull_async(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(layer, out, self.transport.pull_async,
+                      self.transport.satisfy_locally_async)
+
+    def pull_wait(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(layer, out, self.transport.pull_wait, self.transport.satisfy_wait_locally)
+
+    def _consume(self, layer: int, out, in_step, in_local) -> None:  # noqa: ANN001
+        """By the worker's phase: the step's rows, local rows, or no transaction (fatal)."""
         phase = self.worker.phase
         if phase is Phase.STEP:
-            self.transport.pull(layer, out)
+            in_step(layer, out)
         elif phase is Phase.LOCAL:
-            self.transport.satisfy_locally(layer, out)
+            in_local(layer, out)
         else:
             self.worker.fail(Failure(Reason.NO_TRANSACTION, "model pulled PLE rows outside any "
                                      "forward ray-ple bracketed", layer), Side.CONSUMER)
@@ -136,12 +147,17 @@ def current() -> WorkerPair | None:
     return _PAIR
 
 
-def pull(layer_name: str, out) -> None:  # noqa: ANN001 - torch.Tensor
-    """Resolve this process's live pair by layer name (the pull op's only lookup)."""
+def resolve(layer_name: str) -> tuple[WorkerPair, int]:
+    """This process's live pair and the slot index of `layer_name` (the ops' only lookup)."""
     pair = _PAIR
     index = _LAYERS.get(layer_name)
     if pair is None or index is None:
         raise PleHandleError(f"no ray-ple pair in this process serves layer {layer_name!r}")
+    return pair, index
+
+
+def pull(layer_name: str, out) -> None:  # noqa: ANN001 - torch.Tensor
+    pair, index = resolve(layer_name)
     pair.pull(index, out)
 
 

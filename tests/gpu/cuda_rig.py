@@ -199,7 +199,7 @@ class LateStandIn(torch.nn.Module):
 
     def __init__(self, rows: int, geo: PleGeometry, row_elems: int = ROW_ELEMS) -> None:
         super().__init__()
-        import ray_ple.worker.transport.late_ops  # noqa: F401 - registers the late ops
+        import ray_ple.worker.ops  # noqa: F401 - registers the pull ops
 
         self.slots = part_slots(geo)
         widths = {w for _, _, w in self.slots}

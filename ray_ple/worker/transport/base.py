@@ -43,6 +43,20 @@ class Transport(ABC):
     def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
         """A dummy/profile/capture forward: rows come from here, counters do not move."""
 
+    def pull_async(self, layer: int, out: torch.Tensor) -> None:
+        """Start `layer`'s pull; `pull_wait` joins it just before the rows are read. A
+        synchronous transport (CPU) pulls here and waits for nothing later."""
+        self.pull(layer, out)
+
+    def pull_wait(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027 - optional
+        """The consumer waits for `pull_async(layer, out)` to have landed."""
+
+    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
+        self.satisfy_locally(layer, out)
+
+    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027
+        """`pull_wait` in a local forward."""
+
     @abstractmethod
     def release(self, step: int) -> None:
         """Reset every layer's flag, then advance `released` to `step`, in consumer order."""
