@@ -34,6 +34,7 @@ smoke test of everything but the GPU.
 from __future__ import annotations
 
 import argparse
+import shutil
 import contextlib
 import json
 import mmap
@@ -533,6 +534,7 @@ def main() -> None:
                                "cuda_libraries_mapped", "table_inodes")} for s in status])
     finally:
         b.close()
+        shutil.rmtree(a.work, ignore_errors=True)  # the checkpoint written for the offload side
     print_tables([r for r in b.lines if r.get("consumer") in ("model", "synthetic")])
 
 
