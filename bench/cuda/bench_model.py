@@ -34,11 +34,11 @@ smoke test of everything but the GPU.
 from __future__ import annotations
 
 import argparse
-import shutil
 import contextlib
 import json
 import mmap
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
