@@ -91,8 +91,8 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
     job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES[1:],
            "engine": {"tensor_parallel_size": 2}}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    offload = run_job(cluster, job, env)
-    plain = run_job(cluster, {**job, "ple": {"enabled": False}}, env)
+    offload = run_job(cluster, job, env=env)
+    plain = run_job(cluster, {**job, "ple": {"enabled": False}}, env=env)
     assert offload["tokens"] == plain["tokens"]
     a, b = offload["status"]
     assert (a["rank"], b["rank"]) == (0, 1) and a["pid"] != b["pid"]
