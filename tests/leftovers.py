@@ -55,7 +55,7 @@ class Footprint(NamedTuple):
 
     nameless_shmem: int  # Shmem minus the named /dev/shm files: memfds, O_TMPFILE, shared anon
     mlocked: int  # pinned (mlock'ed) memory, system-wide
-    processes: Counter  # title -> count, of processes under the given raylets (idle excluded)
+    processes: Counter  # title -> count of replica processes under the given raylets
 
     def differs(self, base: Footprint) -> list[str]:
         out = []
@@ -69,8 +69,13 @@ class Footprint(NamedTuple):
         return out
 
 
+REPLICA_KINDS = ("PleLLMServer", "OffloadActor", "Supervisor", "VLLM")
+
+
 def cluster_processes(raylets: list[int]) -> Counter:
-    """Titles of the working processes under these raylets (Ray's idle workers left out)."""
+    """Titles of a replica's processes under these raylets (replica, engine, offload actors,
+    supervisor). Serve's own (proxies come and go with the nodes that hold replicas) and
+    Ray's idle workers are left out."""
     titles: Counter = Counter()
     for pid in raylets:
         try:
@@ -84,7 +89,7 @@ def cluster_processes(raylets: list[int]) -> Counter:
                 cmd = " ".join(p.cmdline())
             except psutil.Error:
                 continue
-            if not cmd.startswith(("ray::", "VLLM")) or "IDLE" in cmd:
+            if not cmd.startswith(("ray::", "VLLM")) or not any(k in cmd for k in REPLICA_KINDS):
                 continue
             titles[cmd.split()[0].split(".")[0][:60]] += 1  # ray::Class, not .method
     return titles
