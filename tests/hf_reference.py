@@ -48,7 +48,7 @@ def _load(model_dir: str):  # noqa: ANN202
 
 
 def hf_agrees(model_dir: str, prompts: list[list[int]],
-              candidates: list[list[int]]) -> tuple[list[str], int]:
+              candidates: list[list[int]], ulps: int = 2) -> tuple[list[str], int]:
     """(disagreements, ties): each candidate token must be HF's greedy choice at its step."""
     model = _load(model_dir)
     problems, ties = [], 0
@@ -60,7 +60,7 @@ def hf_agrees(model_dir: str, prompts: list[list[int]],
                 logits, past = out.logits[0, -1].float(), out.past_key_values
                 best = float(logits.max())
                 ulp = 2.0 ** (math.floor(math.log2(abs(best) or 1.0)) - 7)
-                if float(logits[tok]) < best - 2 * ulp:
+                if float(logits[tok]) < best - ulps * ulp:
                     problems.append(f"prompt {n} step {step}: got {tok} "
                                     f"({float(logits[tok]):.5f}), HF argmax "
                                     f"{int(logits.argmax())} ({best:.5f})")

@@ -91,6 +91,6 @@ def table_mappings(pid: int) -> set[tuple[str, str]]:
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and "ray-ple-table-" in parts[5]:
+            if len(parts) == 6 and "ray-ple-table" in parts[5]:
                 out.add((parts[4], parts[5].strip()))
     return out

