@@ -143,10 +143,22 @@ def _names(source: TableSource) -> tuple[str, bytes, int]:
     return fp, broker_name(fp), table_segment_size(source.layer)
 
 
+_CHILDREN_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before() -> None:
+    """Processes this pytest already had (multiprocessing's resource tracker, started by an earlier
+    test of the session) are not this test's leftovers."""
+    _CHILDREN_BEFORE.clear()
+    _CHILDREN_BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
 def _assert_nothing_left(base_shmem: int) -> None:
     assert _mapped_memfds() == [] and _held_memfds() == []
     assert ple_shm_entries() == []
-    assert psutil.Process().children(recursive=True) == []
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in _CHILDREN_BEFORE]
+    assert new == [], "no process of the test is left"
     table = ROWS * LAYERS * DIM * 2
     deadline = time.monotonic() + 10
     while abs(shmem_bytes() - base_shmem) > table // 4 and time.monotonic() < deadline:
