@@ -1,7 +1,14 @@
 """Offline inference with the PLE table offloaded: `vllm.LLM` plus its offload actors.
 
 For batch jobs, tests and benchmarks on a Ray cluster (or a local one): the engine runs in
-this process's engine core, the offload actors on this node.
+this process's engine core, the offload actors on this node (pinned to it: the worker opens
+their segments by pid).
+
+There is no supervisor here: it ends a Serve replica, and offline the replica would be the
+caller's own process. Each side's checks still fail closed: a worker that loses its offload
+actor (dead, stopped, stale rows, a broken counter) exits within `heartbeat_s`, vLLM's engine
+core with it, and the next `generate` raises `EngineDeadError` instead of returning tokens
+(tests/test_vllm_offload.py). Use Serve when a lost pair must be replaced without you.
 """
 
 from __future__ import annotations

@@ -67,6 +67,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         pairs = getattr(llm, "ray_ple_pairs", None)
         if pairs is not None:
             out["status"] = [s.model_dump() for s in pairs.statuses()]
+        if job.get("kill_offload"):  # offline there is no supervisor: the worker's checks end it
+            import time
+
+            pairs.kill()
+            t0 = time.monotonic()
+            try:
+                out["after_kill"] = {"tokens": generate(job["batches"][:1])}
+            except Exception as exc:  # noqa: BLE001 - what the user sees is the point
+                out["after_kill"] = {"error": type(exc).__name__,
+                                     "seconds": round(time.monotonic() - t0, 2)}
     if "altered_table" in job:  # the same engine over a checkpoint whose PLE rows differ
         import tempfile
 

@@ -29,14 +29,11 @@ def cluster():
     yield from local_cluster()
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def tiny_runs(cluster):
     model = "ray-ple://tiny-gemma4"
-    offload = run_job(cluster, {"model": model, "batches": BATCHES, "altered_table": 0.0})
+    offload = run_job(cluster, {"model": model, "batches": BATCHES, "altered_table": 0.0,
+                                "kill_offload": True})
     plain = run_job(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
     return offload, plain
 
@@ -77,6 +74,15 @@ def test_offload_actor_has_no_cuda_context(tiny_runs):
     (status,) = offload["status"]
     assert status["cuda_evidence"] == [] and status["torch_imported"] is False
     assert status["state"] == "READY" and status["posted"] == status["released"] > 0
+
+
+def test_offline_engine_ends_when_its_offload_actor_dies(tiny_runs):
+    """No supervisor offline: the worker's own heartbeat check ends the engine, so the next
+    generate raises instead of returning tokens (within heartbeat_s, 5 s, plus the poll)."""
+    offload, _ = tiny_runs
+    after = offload["after_kill"]
+    assert "tokens" not in after, f"tokens after the offload actor died: {after}"
+    assert after["error"] == "EngineDeadError" and after["seconds"] < 15, after
 
 
 def test_smaller_ple_vocabulary_maps_ids_like_vllm(cluster):

@@ -134,6 +134,7 @@ class NodeTable:
                  listener: socket.socket | None, name: bytes) -> None:
         self.segment, self.layer, self.fingerprint = segment, layer, fp
         self.huge_pages = want_huge_pages(segment)
+        segment.populate()  # no page fault on a step's first touch of a row
         self.rows = np.ndarray((layer.rows, layer.row_bytes), np.uint8, segment.map, PAGE)
         self.rows.flags.writeable = False
         self._name = name

@@ -29,11 +29,13 @@ import secrets
 import stat
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ray_ple.errors import PleEnvironmentError, PleHandleError, PleShmError
 
 PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _NAME = re.compile(r"^ray-ple-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{32}$")
 
@@ -193,6 +195,21 @@ class SharedSegment:
     def ref(self) -> SegmentRef:
         return SegmentRef(pid=os.getpid(), fd=self.fd, inode=self.inode, size=self.size,
                           token=self.token)
+
+    def populate(self) -> None:
+        """Map every page of this mapping now, for reading.
+
+        A random row of a table not touched yet by this process costs a minor page fault
+        (the kernel maps 16 pages around it, so the rest of the row is cheap): measured on
+        2 cores, 64 random 3 KB row parts took 199 us cold against 54 us populated. A step's
+        first touches would pay that, on the critical path of the first slot; populating at
+        setup moves it off (about 0.08 s per GB, once per holder). Kernels before 5.14 lack
+        MADV_POPULATE_READ: there one read per page does the same.
+        """
+        try:
+            self.map.madvise(_MADV_POPULATE_READ)
+        except OSError:
+            int(np.frombuffer(self.map, np.uint8)[::PAGE].sum())
 
     def address(self) -> int:
         """Host address of a writable mapping (this process only)."""
