@@ -28,7 +28,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from ray_ple.serve.builder import PleAppArgs, build_app
-from ray_ple.supervision.engine_leftovers import SHM_DIR, in_use, shm_files_of
+from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, in_use
 from ray_ple.supervision.supervisor import read_verdicts
 from ray_ple.testing import faults
 from tests.faultrig import (
@@ -146,8 +146,9 @@ def _side(rig, v) -> dict:
     return causes[0] if causes else {"where": "supervisor", "reason": v.reason}
 
 
-def _left_shm(files: set[str]) -> list[str]:
-    """Of an ended replica's /dev/shm files, those still named that nobody maps or holds."""
+def _left_files(files: set[str]) -> list[str]:
+    """Of an ended replica's /dev/shm and socket files, those still there that nobody maps,
+    holds or has bound."""
     left = {f for f in files if os.path.exists(f)}
     return sorted(left - in_use(left))
 
@@ -170,8 +171,9 @@ def _case(rig, name: str, inject, reason: str | None, where: str | None = None, 
     old = supervisor_pids()
     assert old, "a live replica to fault"
     before = set(read_verdicts())
-    shm_files = shm_files_of(old)  # vLLM's message queues and semaphores among them
-    assert any(f.startswith(SHM_DIR + "psm_") for f in shm_files), shm_files
+    files = files_of(old)  # vLLM's message queues, semaphores and ZMQ sockets among them
+    assert any(f.startswith(SHM_DIR + "psm_") for f in files), files
+    assert any(not f.startswith(SHM_DIR) for f in files), files
     base = footprint(_raylets(rig))
     names = set(ple_shm_entries())  # others on the machine may hold ray-ple names (benches)
     rig["logs"].mark()
@@ -198,7 +200,7 @@ def _case(rig, name: str, inject, reason: str | None, where: str | None = None, 
     assert alive(list(old)) == [], f"old replica processes left: {alive(list(old))}"
     assert set(ple_shm_entries()) <= names, "a ray-ple name appeared"
     if reason is not None:
-        assert _left_shm(shm_files) == [], "/dev/shm names left by the ended replica"
+        assert _left_files(files) == [], "/dev/shm names or socket files left by the replica"
     assert _footprint_back(rig, base) == [], "memory or processes of the old replica left"
     assert clients.wrong(rig["reference"]) == []
     row["responses_ok_err"] = clients.counts()

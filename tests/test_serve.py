@@ -19,7 +19,7 @@ import pytest
 import requests
 import yaml
 
-from ray_ple.supervision.engine_leftovers import SHM_DIR, remove_unused, shm_files_of
+from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, remove_unused
 from ray_ple.tiny_model import PRESETS, build
 from tests.hf_reference import hf_agrees
 from tests.leftovers import ple_processes, ple_shm_entries
@@ -160,17 +160,17 @@ def _replica_trees(server_cls: str) -> list[int]:
 
 
 def test_nothing_left_after_stop(served):
-    shm_files = shm_files_of(_replica_trees("PleLLMServer"))
+    shm_files = files_of(_replica_trees("PleLLMServer"))  # ZMQ's socket files among them
     assert any(f.startswith(SHM_DIR + "psm_") for f in shm_files), shm_files
     # The unoffloaded reference is Ray Serve LLM's own `LLMServer`: vLLM leaves its message
     # queues behind when Ray stops it. Not ray-ple's to fix; the test tidies them up itself.
-    reference_files = shm_files_of(_replica_trees("LLMServer"))
+    reference_files = files_of(_replica_trees("LLMServer"))
     served.stop()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (ple_processes() or ple_shm_entries()):
         time.sleep(1)
     assert ple_processes() == [] and ple_shm_entries() == []
     try:
-        assert sorted(f for f in shm_files if os.path.exists(f)) == [], "vLLM's /dev/shm left"
+        assert sorted(f for f in shm_files if os.path.exists(f)) == [], "vLLM's /dev/shm or sockets left"
     finally:
         remove_unused(reference_files)

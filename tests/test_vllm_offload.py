@@ -85,17 +85,6 @@ def test_offline_engine_ends_when_its_offload_actor_dies(tiny_runs):
     assert after["error"] == "EngineDeadError" and after["seconds"] < 15, after
 
 
-def test_smaller_ple_vocabulary_maps_ids_like_vllm(cluster):
-    model = "ray-ple://tiny-gemma4-ple192"
-    offload = run_job(cluster, {"model": model, "batches": BATCHES})
-    plain = run_job(cluster, {"model": model, "batches": BATCHES, "ple": {"enabled": False}})
-    assert offload["tokens"] == plain["tokens"]
-    assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
-    problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
-                                    flat(offload["tokens"]))
-    assert problems == [] and near_ties <= 3
-
-
 def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
     job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES[1:],
            "engine": {"tensor_parallel_size": 2}}
@@ -109,14 +98,20 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
     assert a["posted"] == b["posted"] == a["released"] > 0
 
 
-def test_late_pull_in_parts_compiled_identical_to_plain(cluster):
+def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocabulary(cluster):
     """Gemma 4's offload class waits for each part at its first layer's gate; compiled by
-    torch.compile (the pull ordered after the gate), tokens equal vLLM's own compiled model."""
-    job = {"model": "ray-ple://tiny-gemma4", "batches": BATCHES,
-           "engine": {"enforce_eager": False}}
+    torch.compile (the pull ordered after the gate), tokens equal vLLM's own compiled model.
+    The model's PLE vocabulary (192) is smaller than its vocabulary: ids beyond it read row 0,
+    as vLLM maps them (one pair of engines covers both, each engine costs minutes on CPU)."""
+    model = "ray-ple://tiny-gemma4-ple192"
+    job = {"model": model, "batches": BATCHES, "engine": {"enforce_eager": False}}
     offload = run_job(cluster, {**job, "ple": {"parts": 2}})
     plain = run_job(cluster, {**job, "ple": {"enabled": False}})
     assert offload["tokens"] == plain["tokens"]
     (status,) = offload["status"]
     assert len(status["published"]) == 2, "two slots, one per layer"
     assert status["posted"] == status["released"] == min(status["published"]) > 0
+    assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
+    problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
+                                    flat(offload["tokens"]), ulps=8)
+    assert problems == [] and near_ties <= 4

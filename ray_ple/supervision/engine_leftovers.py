@@ -1,4 +1,4 @@
-"""What a replica's processes leave in /dev/shm, removed once nobody uses it.
+"""What a replica's processes leave in /dev/shm and as socket files, removed once unused.
 
 vLLM's message queues (`multiprocessing.shared_memory`, `psm_*`) and `multiprocessing`
 semaphores (`sem.mp-*`) are unlinked by their owner on an orderly exit, or by the resource
@@ -7,11 +7,17 @@ one whose children Ray kills at the end of a stop, loses both: the names stay in
 every page they touched until the node restarts. The supervisor takes the inventory of the
 replica's shared-memory files just before the replica ends and, once every process of it is
 gone, removes those that no live process maps or holds open.
+
+The same holds for vLLM's ZMQ `ipc://` endpoints: socket files in the temp dir, unlinked by
+ZMQ when the binding socket closes, left behind by a SIGKILL (a few per replica). They are
+taken in the same inventory (the paths the replica's processes have bound, from
+/proc/net/unix) and removed once no socket is bound to them any more.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 
 SHM_DIR = "/dev/shm/"
@@ -41,15 +47,64 @@ def shm_files_of(pids: Iterable[int]) -> set[str]:
     return {p for p in found if not p.endswith(_DELETED)}
 
 
+def _bound_unix_paths() -> dict[int, str]:
+    """Socket inode -> path of every unix socket on this node bound to a file."""
+    out = {}
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7].startswith("/"):
+                    out[int(parts[6])] = parts[7]
+    except OSError:
+        pass
+    return out
+
+
+def socket_files_of(pids: Iterable[int]) -> set[str]:
+    """Socket files these processes have bound (vLLM's ZMQ `ipc://` endpoints)."""
+    inodes: set[int] = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return {path for ino, path in _bound_unix_paths().items() if ino in inodes}
+
+
+def files_of(pids: Iterable[int]) -> set[str]:
+    """Everything these processes would leave behind if killed: shm files and socket files."""
+    pids = list(pids)
+    return shm_files_of(pids) | socket_files_of(pids)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def in_use(paths: set[str]) -> set[str]:
-    """Of `paths`, those some live process on this node maps or holds open."""
+    """Of `paths`, those some live process on this node maps or holds open (shm files) or
+    has a socket bound to (socket files)."""
     pids = (int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
-    return shm_files_of(pids) & paths
+    return (shm_files_of(pids) | set(_bound_unix_paths().values())) & paths
 
 
 def remove_unused(paths: Iterable[str]) -> list[str]:
-    """Unlink every one of `paths` that still exists and that no live process uses."""
-    left = {p for p in paths if os.path.exists(p)}
+    """Unlink every one of `paths` that still exists and that no live process uses; outside
+    /dev/shm only socket files."""
+    left = {p for p in paths if p.startswith(SHM_DIR) and os.path.exists(p) or _is_socket(p)}
     removed = []
     for path in sorted(left - in_use(left)) if left else []:
         try:

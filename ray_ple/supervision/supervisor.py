@@ -50,7 +50,7 @@ from ray_ple.protocol.transaction import (
     went_back,
 )
 from ray_ple.supervision import metrics
-from ray_ple.supervision.engine_leftovers import remove_unused, shm_files_of
+from ray_ple.supervision.engine_leftovers import files_of, remove_unused
 from ray_ple.supervision.offload_group import OffloadGroup
 from ray_ple.supervision.processes import ProcessSet, descends_from
 
@@ -141,7 +141,7 @@ class Supervisor:
             self._raylet.add(raylet, "raylet")
         self._verdict: Verdict | None = None
         self._closing = self._engine_started = False
-        self._shm_files: set[str] = set()
+        self._leftovers: set[str] = set()
         self._startup = Deadline(Reason.STARTUP_DEADLINE, self.spec.ple.deadlines.startup_s,
                                  "(pairs + engine start) not serving")
         self._lock = threading.Lock()
@@ -178,7 +178,7 @@ class Supervisor:
                 pids.append(pid)
             self._engine_started = True
             # vLLM's queues exist now; a verdict kills first, when the maps are read no more
-            self._shm_files = shm_files_of(self._procs.named())
+            self._leftovers = files_of(self._procs.named())
             return EngineAttached(worker_pids=tuple(pids))
 
     def verdict(self) -> Verdict | None:
@@ -198,7 +198,7 @@ class Supervisor:
         with self._lock:  # no check runs while the pairs go
             self._closing = True
             self._procs.adopt_descendants(self.spec.replica_pid)
-            self._shm_files = shm_files_of(self._procs.named())
+            self._leftovers = files_of(self._procs.named())
             for w in self._watched:
                 if w.read().state in (State.READY, State.INIT):
                     w.set_state(State.CLOSED)
@@ -224,7 +224,7 @@ class Supervisor:
         while time.monotonic() < deadline and self._procs.running():
             time.sleep(0.1)
         log_event("replica_closed", replica=self.spec.tag, still_running=self._procs.running(),
-                  shm_removed=remove_unused(self._shm_files))
+                  shm_removed=remove_unused(self._leftovers))
         self._exit_soon()
 
     def _check(self) -> None:
@@ -320,7 +320,7 @@ class Supervisor:
             pids=tuple(sorted(procs)), survivors=tuple(survivors)))
         self._verdict = verdict
         # what the replica mapped when its engine started, and what it still maps: unused now
-        shm_removed = remove_unused(self._shm_files | shm_files_of(procs))
+        shm_removed = remove_unused(self._leftovers | files_of(procs))
         log_event("replica_ended", replica=self.spec.tag, reason=p.reason.name,
                   detect_to_gone_s=verdict.detect_to_gone_s, pids=sorted(procs),
                   survivors=survivors, shm_removed=shm_removed, failures=failures)
