@@ -41,7 +41,7 @@ CutPoint = Literal[
     # offload side, around the gather and the publish
     "offload.park_before_publish",  # gathered nothing, parked (arg: seconds)
     "offload.die_mid_gather",  # half the rows written, then the process dies
-    "offload.repeat_publish",  # fresh rows, flag raised with a stale `published`
+    "offload.repeat_publish",  # fresh rows and stamp, flag raised with a stale `published`
     "offload.stale_rows",  # no gather: flag raised over the previous step's rows, `published`
     #                        left at the previous step
     "offload.flag_without_gather",  # no gather, no stamp: `published` = the step, flag raised
@@ -132,9 +132,10 @@ def post_cut(block: ControlBlock) -> Cut | None:
 
 def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
     """For `OffloadEnd.publish`: raise a slot's flag over a stale `published` (after a fresh
-    gather: `offload.repeat_publish`; after none: `offload.stale_rows`), or over a current
-    `published` but rows never written (`offload.flag_without_gather`: the slot's step stamp,
-    written with the rows, stays at the previous step). See `before_gather`."""
+    gather, stamped: `offload.repeat_publish`, which only the consumer's `published` check
+    can see; after none: `offload.stale_rows`), or over a current `published` but rows never
+    written (`offload.flag_without_gather`: the slot's step stamp, written with the rows,
+    stays at the previous step, which only the stamp check can see). See `before_gather`."""
     if not ACTIVE:
         return None
 
@@ -144,6 +145,8 @@ def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
             return False
         if skipped == (step, "offload.flag_without_gather"):
             block.set_published(layer, step)
+        elif skipped[0] != step:  # repeat_publish: the rows are this step's, and so is the stamp
+            block.set_stamp(layer, step)
         block.flags[layer][0] = 1  # otherwise `published` stays at step - 1
         return True
 
