@@ -243,6 +243,14 @@ def resource_violations(spec: ManifestSpec, doc: dict[str, Any]) -> list[str]:
                        f"{processes}")
         if lim.get("memory") != req["memory"]:
             bad.append(f"{name}: memory limit != request")
+        # Ray's memory monitor kills a worker once the pod's used memory passes its threshold;
+        # the table, the slots and the processes must stay below it (k8s/README.md)
+        env = {e["name"]: e.get("value") for e in main.get("env", [])}
+        threshold = float(env.get("RAY_memory_usage_threshold") or 0.95)
+        steady = demand.table_bytes + workers * demand.pair_bytes + processes
+        if steady > threshold * memory:
+            bad.append(f"{name}: table, slots and processes ({steady}) above Ray's memory "
+                       f"monitor threshold {threshold} x {memory}")
         doctor = next((c for c in pod.get("initContainers", [])
                        if c["name"] == "ray-ple-doctor"), None)
         if doctor is None:
@@ -289,6 +297,8 @@ def test_gpu_pod_budgets_one_offload_actor_and_the_table_per_gpu():
         memory="1Gi"), "memory"),
     (lambda g: g.update(maxReplicas=0, minReplicas=0, replicas=0), "pods cannot hold"),
     (lambda g: g["template"]["spec"].pop("initContainers"), "doctor"),
+    (lambda g: g["template"]["spec"]["containers"][0].setdefault("env", []).append(
+        {"name": "RAY_memory_usage_threshold", "value": "0.5"}), "memory monitor"),
 ])
 def test_arithmetic_catches_an_undersized_pod(mutate, match):
     spec = SPECS["rayservice-gemma4-e4b-gpu.yaml"]
