@@ -23,7 +23,7 @@ from ray_ple.log import log_event
 from ray_ple.offload.actor import PairStatus
 from ray_ple.protocol.handles import EngineAttached, EngineHandles
 from ray_ple.serve.server_plan import ServerPlan
-from ray_ple.supervision.engine_leftovers import files_of, remove_unused
+from ray_ple.supervision.engine_leftovers import files_of, remove_unused, shm_files_of
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, Verdict
 from ray_ple.tiny_model import resolve
 
@@ -91,8 +91,8 @@ class PleLLMServer(LLMServer):
         then what its processes left in /dev/shm (vLLM's message queues). Engine processes
         still running after the engine's shutdown returned are ended first, as Ray would at
         the replica's exit (after which nobody would remove their names)."""
-        holders = [p for p in psutil.Process().children(recursive=True) if files_of([p.pid])]
-        shm_files = files_of(p.pid for p in holders)
+        holders = [p for p in psutil.Process().children(recursive=True) if shm_files_of([p.pid])]
+        shm_files = files_of(p.pid for p in holders)  # and the sockets they have bound
         if self.supervisor is not None:
             try:
                 await asyncio.wait_for(self.supervisor.close.remote(), HEALTH_TIMEOUT_S)
