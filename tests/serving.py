@@ -23,6 +23,12 @@ def load_config(name: str = "ple.yaml") -> dict[str, Any]:
     return yaml.safe_load((REPO / "serve_configs" / name).read_text())
 
 
+def _ctrl_c_works() -> None:
+    """A shell that starts pytest in the background without job control makes it ignore
+    SIGINT, and `serve run` would inherit that: `stop()`'s Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServeRun:
     """`serve run <config>` as a user types it, in its own process group and Ray cluster."""
 
@@ -32,7 +38,7 @@ class ServeRun:
         self._out = open(log, "w")
         self.proc = subprocess.Popen(
             [str(serve_bin), "run", str(config)], cwd=REPO, stdout=self._out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ctrl_c_works,
             env={**os.environ, "RAY_ADDRESS": "local", **(env or {})})
 
     def wait_ready(self, model: str, timeout: float = 420) -> float:

@@ -88,7 +88,8 @@ def test_chat_and_streaming(served):
         "ignore_eos": True, "stream": True})
     chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
               if line and line.startswith("data: ") and line != "data: [DONE]"]
-    assert len(chunks) >= 8
+    # Ray Serve LLM batches stream chunks by time: under load 8 tokens may come in fewer pieces
+    assert len(chunks) >= 2, chunks
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
 
 
