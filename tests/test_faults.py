@@ -146,11 +146,16 @@ def _side(rig, v) -> dict:
     return causes[0] if causes else {"where": "supervisor", "reason": v.reason}
 
 
-def _left_files(files: set[str]) -> list[str]:
+def _left_files(files: set[str], timeout: float = 10) -> list[str]:
     """Of an ended replica's /dev/shm and socket files, those still there that nobody maps,
-    holds or has bound."""
-    left = {f for f in files if os.path.exists(f)}
-    return sorted(left - in_use(left))
+    holds or has bound (the supervisor removes them after its kills: give it a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {f for f in files if os.path.exists(f)}
+        unused = sorted(left - in_use(left))
+        if not unused or time.monotonic() > deadline:
+            return unused
+        time.sleep(0.5)
 
 
 def _new_verdict(before: set[str], timeout: float) -> object:
@@ -200,7 +205,8 @@ def _case(rig, name: str, inject, reason: str | None, where: str | None = None, 
     assert alive(list(old)) == [], f"old replica processes left: {alive(list(old))}"
     assert set(ple_shm_entries()) <= names, "a ray-ple name appeared"
     if reason is not None:
-        assert _left_files(files) == [], "/dev/shm names or socket files left by the replica"
+        left = _left_files(files)
+        assert left == [], f"/dev/shm names or socket files left by the replica: {left}"
     assert _footprint_back(rig, base) == [], "memory or processes of the old replica left"
     assert clients.wrong(rig["reference"]) == []
     row["responses_ok_err"] = clients.counts()
