@@ -172,6 +172,7 @@ def test_nothing_left_after_stop(served):
         time.sleep(1)
     assert ple_processes() == [] and ple_shm_entries() == []
     try:
-        assert sorted(f for f in shm_files if os.path.exists(f)) == [], "vLLM's /dev/shm or sockets left"
+        left = sorted(f for f in shm_files if os.path.exists(f))
+        assert left == [], f"vLLM's /dev/shm names or socket files left: {left}"
     finally:
         remove_unused(reference_files)
