@@ -32,6 +32,18 @@ def _table_inode(pid: int) -> set[int]:
     return {inode for inode, _ in maps}
 
 
+def _settled_shmem(tol: int = 1 << 20, timeout: float = 15.0) -> int:
+    """Shmem once it stops moving: the previous module's engines may still be going."""
+    deadline, last = time.monotonic() + timeout, shmem_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        now = shmem_bytes()
+        if abs(now - last) <= tol:
+            return now
+        last = now
+    return last
+
+
 def _wait_shmem(target: int, tol: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -46,7 +58,7 @@ def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
     path = tmp_path / "ckpt"
     write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
     table = ROWS * LAYERS * DIM * 2
-    base = shmem_bytes()
+    base = _settled_shmem()
     a, _, a_conn = start_offload(spec_for(path, max_tokens=8, rank=0))
     after_one = shmem_bytes()
     b, _, b_conn = start_offload(spec_for(path, max_tokens=8, rank=1))
