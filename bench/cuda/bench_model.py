@@ -236,8 +236,10 @@ class Loop:
         self.ids.copy_(nxt)
         self.host_ids.copy_(nxt)
 
-    def run(self, n: int, launch_first: bool = False) -> tuple[list[float], list[float], int]:
-        """n closed-loop steps; per-step wall stamps, host post times, wrong words."""
+    def run(self, n: int, launch_first: bool = False,
+            pre: bool = False) -> tuple[list[float], list[float], int]:
+        """n closed-loop steps; per-step wall stamps, host post times, wrong words. `pre`:
+        launch only once the host sees every part published (the GPU never waits a flag)."""
         pair, stamps, posts = self.pair, [], []
         sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
         reg = rig.registered(pair) if (pair and not self.cuda) else contextlib.nullcontext()
@@ -252,8 +254,11 @@ class Loop:
                 if launch_first:
                     self._forward()
                 t0 = time.perf_counter()
-                with pair.step(host):
+                with pair.step(host) as step:
                     posts.append(time.perf_counter() - t0)
+                    while pre and any(pair.block.published(i) != step
+                                      for i in range(len(pair.handle.layer_names))):
+                        pass
                     if self.record is not None:
                         pair.transport.replayed(self.record)
                     if not launch_first:
@@ -345,7 +350,8 @@ class Bench:
         print(json.dumps(row), flush=True)
 
     def measure(self, consumer: str, t: int, variant: str, model: torch.nn.Module,
-                pair: Any, n: int, warm: int, launch_first: bool = False, **extra: Any) -> None:
+                pair: Any, n: int, warm: int, launch_first: bool = False, pre: bool = False,
+                **extra: Any) -> None:
         if launch_first and self.device.type != "cuda":
             return  # eager on CPU: a forward launched before its post would pull unposted
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
@@ -355,7 +361,7 @@ class Bench:
         t0 = time.perf_counter()
         loop = Loop(model, ids0, pair)
         capture_s = time.perf_counter() - t0
-        stamps, posts, wrong = loop.run(n + warm, launch_first)
+        stamps, posts, wrong = loop.run(n + warm, launch_first, pre)
         row = {"consumer": consumer, "T": t, "variant": variant, **stats(stamps, warm),
                "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
         if posts:
@@ -389,13 +395,19 @@ class Bench:
         a, main = self.a, self.parts()[0]
         for t in self.tokens():
             n, warm = (a.steps, a.warm) if t <= 256 else (a.big_steps, 3)
-            for name, (src, pair) in self.sources(t).items():
+            srcs = self.sources(t)
+            for name, (src, pair) in srcs.items():
                 self.measure("model", t, name, Stack(self.weights, src, self.rows), pair, n, warm,
                              parts=1)
             late = Stack(self.weights, self.late_source(main), self.rows)
             pair = self.pairs[main, t > 256]
             self.measure("model", t, "L", late, pair, n, warm, parts=main)
             self.measure("model", t, "L_lf", late, pair, n, warm, True, parts=main)
+            if "pre" in a.extra:
+                c_src, c_pair = srcs["C"]
+                self.measure("model", t, "C_pre", Stack(self.weights, c_src, self.rows), c_pair,
+                             n, warm, pre=True, parts=1)
+                self.measure("model", t, "L_pre", late, pair, n, warm, pre=True, parts=main)
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "after_T": t}), flush=True)
                 return
@@ -505,6 +517,8 @@ def main() -> None:
     ap.add_argument("--gather-threads", type=int, default=1, help="offload, T <= 256")
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--extra", default="", help="comma list: pre (C_pre, L_pre: launched once "
+                    "the host sees every part published, so no GPU wait is on the path)")
     ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
