@@ -11,8 +11,8 @@ is offload/plain of one round; the summary is the median over rounds. Per side a
 CPU seconds of every process of the cluster are recorded too (where the time went).
 
 Both applications stay up throughout, so the idle one's background work (the `ple` side's
-supervisor and offload actor, a few % of a core) falls on both sides; `--alone` notes in
-bench/cpu/README.md measure each side served alone.
+supervisor and offload actor, a few % of a core) falls on both sides; bench/cpu/README.md
+also records each side served alone, one after the other.
 
     python bench/cpu/bench_serve.py --out bench/cpu/results/<run> --rounds 7
 
@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,8 @@ ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
        "RAY_ADDRESS": "local"}
 
 
-def two_app_config(base: dict[str, Any], extra_env: dict[str, str]) -> dict[str, Any]:
+def two_app_config(base: dict[str, Any], extra_env: dict[str, str],
+                   sides: tuple[str, ...] = SIDES) -> dict[str, Any]:
     """The shipped config's application under `/ple`, and the same model plain under `/plain`."""
     cfg = copy.deepcopy(base)
     (app,) = cfg["applications"]
@@ -64,13 +66,14 @@ def two_app_config(base: dict[str, Any], extra_env: dict[str, str]) -> dict[str,
         # two applications on a 2-CPU machine: each ingress reserves 0.1 CPU instead of 1
         # (a reservation only; what the ingress runs is the same for both sides)
         a["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0.1}}
-    cfg["applications"] = [ple, plain]
+    cfg["applications"] = [app for app in (ple, plain) if app["name"] in sides]
     return cfg
 
 
-def wait_ready(proc: subprocess.Popen, model: str, log: Path, timeout: float = 900) -> None:
+def wait_ready(proc: subprocess.Popen, model: str, log: Path, sides: tuple[str, ...],
+               timeout: float = 900) -> None:
     t0 = time.monotonic()
-    pending = set(SIDES)
+    pending = set(sides)
     while pending and time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             sys.exit(f"serve run exited:\n{log.read_text()[-4000:]}")
@@ -99,7 +102,7 @@ def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
     for p in procs:
         try:
             t = p.cpu_times()
-            name = " ".join(p.cmdline()[:1])[:60] or p.name()
+            name = os.path.basename(" ".join(p.cmdline()[:1]))[:60] or p.name()
             out[p.pid] = (name, t.user + t.system)
         except psutil.Error:
             pass
@@ -143,6 +146,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="requests per side per round")
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--only", choices=SIDES, help="serve this side alone (no ratio: run "
+                    "once per side, one after the other)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra env var for both applications' replicas")
     a = ap.parse_args()
@@ -157,25 +162,29 @@ def main() -> None:
     tokenizer = resolve(entry["model_loading_config"]["model_source"])
     extra = dict(kv.split("=", 1) for kv in a.env)
     cfg_path = a.out / "serve_config.yaml"
-    cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra), sort_keys=False))
-    log = a.out / "serve_run.log"
+    sides = (a.only,) if a.only else SIDES
+    cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra, sides), sort_keys=False))
+    log = a.out / "serve_run.log"  # this machine's paths: not for the repo (.gitignore)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": commit, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "args": {k: str(v) for k, v in vars(a).items()}}
+            "args": {k: str(v).replace(str(REPO) + "/", "") for k, v in vars(a).items()}}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
     serve_bin = Path(sys.executable).with_name("serve")
     with open(log, "w") as out:
+        # SIGINT back to default: a bench started in the background by a shell without job
+        # control ignores it, and the Ctrl-C that ends `serve run` below would do nothing
         proc = subprocess.Popen([str(serve_bin), "run", str(cfg_path)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     rows = []
     try:
-        wait_ready(proc, model, log)
+        wait_ready(proc, model, log, sides)
         from vllm.benchmarks.serve import main as bench
 
         for r in range(a.rounds):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            order = sides if r % 2 == 0 else sides[::-1]
             got = {}
             for side in order:
                 before = cpu_seconds(proc.pid)
@@ -184,12 +193,12 @@ def main() -> None:
                 got[side] = {m: res[m] for m in METRICS}
                 got[side]["cpu_s"] = cpu_spent(before, cpu_seconds(proc.pid))
                 got[side]["load1"] = os.getloadavg()[0]
-            row = {"round": r, "order": list(order), **{s: got[s] for s in SIDES},
-                   "ratio": {m: got["ple"][m] / got["plain"][m] for m in METRICS}}
+            row = {"round": r, "order": list(order), **got}
+            if len(sides) == 2:
+                row["ratio"] = {m: got["ple"][m] / got["plain"][m] for m in METRICS}
             rows.append(row)
             print(json.dumps({"event": "round", **row}), flush=True)
     finally:
-        import signal
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
             try:
@@ -199,10 +208,11 @@ def main() -> None:
     with open(a.out / "rounds.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    summary = {m: {"median_ratio": statistics.median(r["ratio"][m] for r in rows),
-                   "ple_median": statistics.median(r["ple"][m] for r in rows),
-                   "plain_median": statistics.median(r["plain"][m] for r in rows)}
-               for m in METRICS} if rows else {}
+    summary: dict[str, dict[str, float]] = {}
+    for m in METRICS if rows else ():
+        summary[m] = {f"{s}_median": statistics.median(r[s][m] for r in rows) for s in sides}
+        if len(sides) == 2:
+            summary[m]["median_ratio"] = statistics.median(r["ratio"][m] for r in rows)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({"event": "summary", **summary}, indent=1))
 
