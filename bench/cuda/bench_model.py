@@ -255,10 +255,10 @@ class Loop:
                     self._forward()
                 t0 = time.perf_counter()
                 with pair.step(host) as step:
-                    posts.append(time.perf_counter() - t0)
                     while pre and any(pair.block.published(i) != step
                                       for i in range(len(pair.handle.layer_names))):
                         pass
+                    posts.append(time.perf_counter() - t0)  # pre: the post and the gather
                     if self.record is not None:
                         pair.transport.replayed(self.record)
                     if not launch_first:
@@ -352,6 +352,8 @@ class Bench:
     def measure(self, consumer: str, t: int, variant: str, model: torch.nn.Module,
                 pair: Any, n: int, warm: int, launch_first: bool = False, pre: bool = False,
                 **extra: Any) -> None:
+        if self.a.variants and variant not in self.a.variants.split(","):
+            return
         if launch_first and self.device.type != "cuda":
             return  # eager on CPU: a forward launched before its post would pull unposted
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
@@ -366,6 +368,9 @@ class Bench:
                "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
         if posts:
             row["host_post_us"] = round(float(np.median(posts[warm:])) * 1e6, 2)
+        if pre:  # the step less its host wait for every part: what the GPU side costs
+            row["less_host_us"] = round(float(np.median(
+                np.diff(np.asarray(stamps))[warm:] - np.asarray(posts[warm:]))) * 1e6, 2)
         if loop.record is not None:
             row["copies"] = sorted({f"{c.mode}{'-late' if c.late else ''}"
                                     for c in loop.record.copies})
@@ -519,6 +524,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--extra", default="", help="comma list: pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path)")
+    ap.add_argument("--variants", default="", help="comma list: measure only these")
     ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
