@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
 
 COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
+LATE_BLOCKS_ENV = "RAY_PLE_CUDA_LATE_COPY_BLOCKS"
 # the reason a stamp mismatch writes (a dedicated one once the protocol names it)
 STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
 
@@ -87,10 +88,14 @@ class CudaOptions(Frozen):
 
     copy_mode: Literal["auto", "dma", "sm"] = "auto"
     sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
+    late_copy_blocks: int = Field(0, ge=0, description="most blocks of a late pull's SM copy "
+                                  "(it runs beside the layers: each block it holds on an SM "
+                                  "can keep a GEMM block off it); 0: up to 8 per SM")
 
     @classmethod
     def from_env(cls) -> CudaOptions:
-        raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV)}
+        raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV),
+               "late_copy_blocks": os.environ.get(LATE_BLOCKS_ENV)}
         return cls.model_validate({k: v for k, v in raw.items() if v is not None})
 
 
@@ -229,8 +234,8 @@ class CudaTransport(Transport):
             return "sm"
         return "dma"
 
-    def _enqueue(self, layer: int, out: torch.Tensor, nbytes: int,
-                 stream: int) -> Literal["dma", "sm"]:
+    def _enqueue(self, layer: int, out: torch.Tensor, nbytes: int, stream: int,
+                 max_blocks: int = 0) -> Literal["dma", "sm"]:
         d = driver()
         check(d.cuStreamWaitValue32(stream, self._flag_dev[layer], 1,
                                     d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
@@ -239,7 +244,7 @@ class CudaTransport(Transport):
         mode = self._mode(nbytes, dst)
         if mode == "sm" and nbytes:
             self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream,
-                                     self._stamp[layer])
+                                     self._stamp[layer], max_blocks)
         else:
             self.kernels.launch_check(self._stamp[layer], stream)
             if nbytes:
@@ -254,7 +259,7 @@ class CudaTransport(Transport):
         side = self._side.cuda_stream
         check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
         check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
-        mode = self._enqueue(layer, out, nbytes, side)
+        mode = self._enqueue(layer, out, nbytes, side, self.options.late_copy_blocks)
         check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
         return mode
 

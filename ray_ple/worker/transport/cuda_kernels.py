@@ -201,11 +201,12 @@ class Kernels:
         return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_check_stamp"], sms)
 
     def launch_copy(self, src: int, dst: int, nbytes: int, stream: int,
-                    stamp: StampCheck = NO_CHECK) -> None:
+                    stamp: StampCheck = NO_CHECK, max_blocks: int = 0) -> None:
         """Enqueue the SM copy of `nbytes` (a multiple of 16, both ends 16-byte aligned),
-        its first thread checking the slot's step stamp."""
+        its first thread checking the slot's step stamp; at most `max_blocks` blocks (0: up
+        to 8 per SM; the kernel strides over the grid, so any count copies every word)."""
         n16 = nbytes // 16
-        blocks = max(1, min((n16 + THREADS - 1) // THREADS, self.sm_count * 8))
+        blocks = max(1, min((n16 + THREADS - 1) // THREADS, max_blocks or self.sm_count * 8))
         p = _Params(ctypes.c_uint64(src), ctypes.c_uint64(dst), ctypes.c_uint64(n16),
                     *stamp.params())
         check(driver().cuLaunchKernel(self.copy_rows, blocks, 1, 1, THREADS, 1, 1, 0, stream,
