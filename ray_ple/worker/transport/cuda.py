@@ -88,10 +88,10 @@ class CudaOptions(Frozen):
 
     copy_mode: Literal["auto", "dma", "sm"] = "auto"
     sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
-    late_copy_blocks: int = Field(8, ge=0, description="most blocks of a late pull's SM copy "
+    late_copy_blocks: int = Field(0, ge=0, description="most blocks of a late pull's SM copy "
                                   "(it runs beside the layers: each block it holds on an SM "
                                   "can keep a GEMM block off it; bench/cuda/README.md, "
-                                  "late-run10); 0: up to 8 per SM")
+                                  "late-run10/11: a gain not yet shown); 0: up to 8 per SM")
 
     @classmethod
     def from_env(cls) -> CudaOptions:
