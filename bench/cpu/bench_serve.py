@@ -164,7 +164,7 @@ def main() -> None:
     cfg_path = a.out / "serve_config.yaml"
     sides = (a.only,) if a.only else SIDES
     cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra, sides), sort_keys=False))
-    log = a.out / "serve_run.log"  # this machine's paths: not for the repo (.gitignore)
+    log = a.out / "serve_run.log"  # it and client/ hold this machine's paths (.gitignore)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
