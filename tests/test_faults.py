@@ -26,8 +26,9 @@ import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.serve.context import _get_global_client
+from ray.serve.schema import ServeDeploySchema
 
-from ray_ple.serve.builder import PleAppArgs, build_app
 from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, in_use
 from ray_ple.supervision.supervisor import read_verdicts
 from ray_ple.testing import faults
@@ -46,6 +47,7 @@ from tests.leftovers import footprint, ple_shm_entries
 
 pytestmark = pytest.mark.slow
 REPORT: list[dict] = []
+LLM_DEPLOYMENT = "PleLLMServer:tiny-gemma4"  # Ray Serve LLM's name: server class, model id
 
 
 def _reference(address: str) -> list[list[int]]:
@@ -77,12 +79,11 @@ def rig(tmp_path_factory):
     ray.init(address=cluster.address)
     reference = _reference(cluster.address)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(build_app(PleAppArgs.model_validate(app_args(faults_file))), name="ple",
-              route_prefix="/", blocking=False)
     clients = Clients()
     state = {"cluster": cluster, "nodes": nodes, "faults_file": faults_file,
              "reference": reference, "clients": clients,
              "logs": LogTail(os.path.join(cluster.head_node.get_session_dir_path(), "logs"))}
+    _deploy(state, 1)
     _wait_serving(time.time() - 1, None, timeout=600)
     clients.start()
     yield state
@@ -223,10 +224,16 @@ def _arm(rig, point: str, *, at: int = 3, arg: float = 0.0) -> float:
 
 
 def _deploy(rig, num_replicas: int) -> None:
+    """Deploy the app as `serve deploy` does, from a config (built by the controller from
+    `ray_ple.serve:build_app`): a change of `num_replicas` alone is then a scaling of the
+    running version. `serve.run` of a built app is a new version each time, which replaces
+    every replica: two extra cold starts in the two-replica case."""
     args = app_args(rig["faults_file"])
-    args["llm_configs"][0]["deployment_config"]["num_replicas"] = num_replicas
-    serve.run(build_app(PleAppArgs.model_validate(args)), name="ple", route_prefix="/",
-              blocking=False)
+    env = args["llm_configs"][0]["runtime_env"]  # the build task resolves the tiny model too
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+        "name": "ple", "route_prefix": "/", "import_path": "ray_ple.serve:build_app",
+        "args": args, "runtime_env": env,
+        "deployments": [{"name": LLM_DEPLOYMENT, "num_replicas": num_replicas}]}]}))
 
 
 def _wait_replicas(n: int, timeout: float = 300) -> list[dict[int, str]]:

@@ -15,6 +15,7 @@ from ray_ple.config import PleConfig, validation_message
 from ray_ple.engine_plan import plan_offload, slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
+from ray_ple.serve.node_init import CALLBACK_CLS
 from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.tiny_model import resolve
 
@@ -142,6 +143,8 @@ def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
                              transport=transport, world_size=plan.world_size,
                              geometry=plan.geometry, sources=plan.sources)
+    if "callback_config" not in fields:  # the user's own callback runs as they wrote it
+        fields["callback_config"] = {"callback_class": CALLBACK_CLS}
     fields.update(
         engine_kwargs=plan.engine_kwargs,
         runtime_env=runtime_env,

@@ -1,10 +1,11 @@
 """What a replica's processes leave in /dev/shm and as socket files, removed once unused.
 
 vLLM's message queues (`multiprocessing.shared_memory`, `psm_*`) and `multiprocessing`
-semaphores (`sem.mp-*`) are unlinked by their owner on an orderly exit, or by the resource
-tracker of the process tree. A replica ended by a verdict (SIGKILL to every process of it), or
-one whose children Ray kills at the end of a stop, loses both: the names stay in /dev/shm with
-every page they touched until the node restarts. The supervisor takes the inventory of the
+semaphores (`sem.mp-*`, e.g. the executor's worker lock in vLLM's engine core) are unlinked by
+their owner on an orderly exit, or by the resource tracker of the process tree. A replica
+ended by a verdict (SIGKILL to every process of it), or one whose children Ray kills at the end
+of a stop, loses both: the names stay in /dev/shm with every page they touched until the node
+restarts. The supervisor takes the inventory of the
 replica's shared-memory files just before the replica ends and, once every process of it is
 gone, removes those that no live process maps or holds open.
 
@@ -25,26 +26,44 @@ _DELETED = " (deleted)"
 
 
 def shm_files_of(pids: Iterable[int]) -> set[str]:
-    """Named files under /dev/shm that these processes map or hold open."""
+    """Named files under /dev/shm that these processes map or hold open.
+
+    A file mapped under its own name is found by that name. glibc's `sem_open` (every
+    `multiprocessing` lock of a spawned process: `sem.mp-*`) maps a temporary file, links it
+    under the semaphore's name and unlinks the temporary one, so the mapping shows a deleted
+    name: such files are found by inode among the names in /dev/shm.
+    """
     found: set[str] = set()
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     parts = line.rstrip("\n").split(None, 5)
                     if len(parts) == 6 and parts[5].startswith(SHM_DIR):
-                        found.add(parts[5])
+                        if parts[5].endswith(_DELETED):
+                            inodes.add(int(parts[4]))
+                        else:
+                            found.add(parts[5])
             fd_dir = f"/proc/{pid}/fd"
             for fd in os.listdir(fd_dir):
                 try:
                     target = os.readlink(f"{fd_dir}/{fd}")
+                    if target.startswith(SHM_DIR):
+                        if target.endswith(_DELETED):
+                            inodes.add(os.stat(f"{fd_dir}/{fd}").st_ino)
+                        else:
+                            found.add(target)
                 except OSError:
                     continue
-                if target.startswith(SHM_DIR):
-                    found.add(target)
         except OSError:
             continue  # gone, or not ours to read
-    return {p for p in found if not p.endswith(_DELETED)}
+    if inodes:
+        try:
+            found |= {e.path for e in os.scandir(SHM_DIR) if e.inode() in inodes}
+        except OSError:
+            pass
+    return found
 
 
 def _bound_unix_paths() -> dict[int, str]:
