@@ -408,6 +408,7 @@ class Bench:
             pair = self.pairs[main, t > 256]
             self.measure("model", t, "L", late, pair, n, warm, parts=main)
             self.measure("model", t, "L_lf", late, pair, n, warm, True, parts=main)
+            self.late_caps(t, late, pair, n, warm, main)
             if "pre" in a.extra:
                 c_src, c_pair = srcs["C"]
                 self.measure("model", t, "C_pre", Stack(self.weights, c_src, self.rows), c_pair,
@@ -416,6 +417,26 @@ class Bench:
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "after_T": t}), flush=True)
                 return
+
+    def late_caps(self, t: int, late: torch.nn.Module, pair: Any, n: int, warm: int,
+                  parts: int) -> None:
+        """`L` under each set of `--late-options` (`CudaOptions` fields, baked into the graph
+        at capture), interleaved over `--cap-rounds` rounds in this one process."""
+        specs = {}
+        for spec in filter(None, self.a.late_options.split(";")):
+            name, _, fields = spec.partition(":")
+            specs[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)}
+        if not specs or pair is None or not hasattr(pair.transport, "options"):
+            return
+        default = pair.transport.options
+        try:
+            for r in range(self.a.cap_rounds):
+                for name in list(specs) if r % 2 == 0 else list(specs)[::-1]:
+                    pair.transport.options = default.model_copy(update=specs[name])
+                    self.measure("model", t, f"L_{name}", late, pair, n, warm, parts=parts,
+                                 round=r, options=specs[name])
+        finally:
+            pair.transport.options = default
 
     def run_parts(self) -> None:
         """The model's L at other part counts (both orders), at fewer token counts."""
@@ -525,6 +546,10 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="comma list: pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")
+    ap.add_argument("--late-options", default="", help="NAME:field=int,...;... CudaOptions "
+                    "for L, measured as L_NAME, interleaved over --cap-rounds (e.g. "
+                    "'u:;b4:late_copy_blocks=4;dma:late_sm_max_bytes=0')")
+    ap.add_argument("--cap-rounds", type=int, default=4)
     ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))

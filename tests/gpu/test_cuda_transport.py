@@ -228,6 +228,8 @@ def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
     assert rec.rows == t and rec.release == release_in_graph
     assert [(c.layer, c.nbytes, c.late) for c in rec.copies] == [
         (i, t * 3584, True) for i in range(len(PARTS))]
+    # auto: a late copy goes to the copy engine (it runs beside the layers; late-run12)
+    assert {c.mode for c in rec.copies} == {"dma" if copy_mode == "auto" else copy_mode}
     assert graph.run(1000) == 0
     c = pair.block.counters()
     assert (c.posted, c.released, set(c.published)) == (before + 1000, before + 1000,

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 
 COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
 LATE_BLOCKS_ENV = "RAY_PLE_CUDA_LATE_COPY_BLOCKS"
+LATE_SM_MAX_ENV = "RAY_PLE_CUDA_LATE_SM_COPY_MAX_BYTES"
 # the reason a stamp mismatch writes (a dedicated one once the protocol names it)
 STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
 
@@ -88,15 +89,19 @@ class CudaOptions(Frozen):
 
     copy_mode: Literal["auto", "dma", "sm"] = "auto"
     sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
+    late_sm_max_bytes: int = Field(0, ge=0, description="auto, late pulls: SM copy up to this "
+                                   "size, the copy engine above it. A late copy runs beside "
+                                   "the layers: on SMs it holds them on PCIe reads where the "
+                                   "GEMMs would run (+4.9 ms at T = 1024), on the copy engine "
+                                   "it takes none (bench/cuda/README.md, late-run12): 0")
     late_copy_blocks: int = Field(0, ge=0, description="most blocks of a late pull's SM copy "
-                                  "(it runs beside the layers: each block it holds on an SM "
-                                  "can keep a GEMM block off it; bench/cuda/README.md, "
-                                  "late-run10/11: a gain not yet shown); 0: up to 8 per SM")
+                                  "(late_sm_max_bytes > 0 or copy_mode sm); 0: up to 8 per SM")
 
     @classmethod
     def from_env(cls) -> CudaOptions:
         raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV),
-               "late_copy_blocks": os.environ.get(LATE_BLOCKS_ENV)}
+               "late_copy_blocks": os.environ.get(LATE_BLOCKS_ENV),
+               "late_sm_max_bytes": os.environ.get(LATE_SM_MAX_ENV)}
         return cls.model_validate({k: v for k, v in raw.items() if v is not None})
 
 
@@ -226,23 +231,24 @@ class CudaTransport(Transport):
             self._local.ready = True
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def _mode(self, nbytes: int, dst: int) -> Literal["dma", "sm"]:
+    def _mode(self, nbytes: int, dst: int, late: bool = False) -> Literal["dma", "sm"]:
         o = self.options
         aligned = nbytes % 16 == 0 and dst % 16 == 0
         if o.copy_mode == "sm" and aligned:
             return "sm"
-        if o.copy_mode == "auto" and aligned and nbytes <= o.sm_max_bytes:
+        sm_max = o.late_sm_max_bytes if late else o.sm_max_bytes
+        if o.copy_mode == "auto" and aligned and nbytes <= sm_max:
             return "sm"
         return "dma"
 
     def _enqueue(self, layer: int, out: torch.Tensor, nbytes: int, stream: int,
-                 max_blocks: int = 0) -> Literal["dma", "sm"]:
+                 max_blocks: int = 0, late: bool = False) -> Literal["dma", "sm"]:
         d = driver()
         check(d.cuStreamWaitValue32(stream, self._flag_dev[layer], 1,
                                     d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
               "cuStreamWaitValue32(flag == 1)")
         dst = out.data_ptr()
-        mode = self._mode(nbytes, dst)
+        mode = self._mode(nbytes, dst, late)
         if mode == "sm" and nbytes:
             self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream,
                                      self._stamp[layer], max_blocks)
@@ -260,7 +266,7 @@ class CudaTransport(Transport):
         side = self._side.cuda_stream
         check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
         check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
-        mode = self._enqueue(layer, out, nbytes, side, self.options.late_copy_blocks)
+        mode = self._enqueue(layer, out, nbytes, side, self.options.late_copy_blocks, late=True)
         check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
         return mode
 
