@@ -18,7 +18,8 @@ group of consecutive model layers) arrives while the earlier layers run::
     pull_async(layer, out)   fork: the side stream waits for the model stream here (after
                              the previous step's release, so a flag it sees up is this
                              step's), then, on the side stream: wait flag, stamp check,
-                             copy, record done[layer]
+                             copy (on the copy engine: an SM copy beside the layers would
+                             hold SMs that their GEMMs need), record done[layer]
     pull_wait(layer, out)    the model stream waits for done[layer] (just before the part is
                              consumed); every async pull of a step must be waited before its
                              release, which stays on the model stream and the only reset
@@ -192,7 +193,8 @@ class CudaTransport(Transport):
                   gpu=self.caps.name, driver=self.caps.driver_version,
                   segment_bytes=seg.size, register_s=round(self.registration.seconds, 4),
                   device_ptr_equals_host=base == host, copy=self.options.copy_mode,
-                  sm_max_bytes=self.options.sm_max_bytes)
+                  sm_max_bytes=self.options.sm_max_bytes,
+                  late_sm_max_bytes=self.options.late_sm_max_bytes)
 
     # setup ------------------------------------------------------------------------------
     def _probe(self) -> None:
