@@ -58,11 +58,14 @@ class Footprint(NamedTuple):
     processes: Counter  # title -> count of replica processes under the given raylets
 
     def differs(self, base: Footprint) -> list[str]:
+        """What is left over `base`: memory that grew (memory that shrank was freed by
+        someone else on the machine: a benchmark ending beside the suite gave 130 -> 9 MiB),
+        and any change in the replica's processes."""
         out = []
-        if abs(self.nameless_shmem - base.nameless_shmem) > SHMEM_TOLERANCE:
+        if self.nameless_shmem - base.nameless_shmem > SHMEM_TOLERANCE:
             out.append(f"nameless Shmem {base.nameless_shmem >> 20} -> "
                        f"{self.nameless_shmem >> 20} MiB")
-        if abs(self.mlocked - base.mlocked) > MLOCK_TOLERANCE:
+        if self.mlocked - base.mlocked > MLOCK_TOLERANCE:
             out.append(f"Mlocked {base.mlocked >> 20} -> {self.mlocked >> 20} MiB")
         if self.processes != base.processes:
             out.append(f"processes {dict(base.processes)} -> {dict(self.processes)}")
