@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from ray_ple.supervision.engine_leftovers import files_of, in_use, remove_unused
+from ray_ple.supervision.engine_leftovers import files_of, files_of_tree, in_use, remove_unused
 
 HOLDER = textwrap.dedent("""
     import multiprocessing as mp, socket, sys, time
@@ -43,3 +43,19 @@ def test_a_killed_trees_semaphore_queue_and_socket_are_found_and_removed(tmp_pat
     removed = remove_unused(files)
     assert sorted(removed) == sorted({sem, queue, sock_path})
     assert not any(os.path.exists(f) for f in (sem, queue, sock_path))
+
+
+def test_the_inventory_of_a_tree_reads_every_descendant(tmp_path):
+    """Like vLLM's engine core under the replica: a grandchild's files are in the tree's."""
+    sock_path = str(tmp_path / "core.ipc")
+    parent = subprocess.Popen(["/bin/sh", "-c", 'exec 3>&1; "$0" -c "$1" "$2"; :',
+                               sys.executable, HOLDER, sock_path],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        sem, queue = parent.stdout.readline().split()
+        assert files_of([parent.pid]) == set(), "the parent itself holds nothing"
+        assert {sem, queue, sock_path} <= files_of_tree(parent.pid)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    remove_unused({sem, queue, sock_path})

@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
-from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, in_use
+from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, files_of_tree, in_use
 from ray_ple.supervision.supervisor import read_verdicts
 from ray_ple.testing import faults
 from tests.faultrig import (
@@ -148,8 +148,8 @@ def _side(rig, v) -> dict:
 
 
 def _left_files(files: set[str], timeout: float = 10) -> list[str]:
-    """Of an ended replica's /dev/shm files, those still there that nobody maps or holds
-    (the supervisor removes them after its kills: give it a moment)."""
+    """Of an ended replica's /dev/shm and socket files, those still there that nobody maps,
+    holds or has bound (the supervisor removes them after its kills: give it a moment)."""
     deadline = time.monotonic() + timeout
     while True:
         left = {f for f in files if os.path.exists(f)}
@@ -177,10 +177,11 @@ def _case(rig, name: str, inject, reason: str | None, where: str | None = None, 
     old = supervisor_pids()
     assert old, "a live replica to fault"
     before = set(read_verdicts())
-    # vLLM's message queues and semaphores (the supervisor also removes the replica's ZMQ
-    # socket files: `tests/test_serve.py` checks those after a stop)
-    files = {f for f in files_of(old) if f.startswith(SHM_DIR)}
+    # vLLM's message queues, semaphores and ZMQ socket files, the engine core's included
+    replica = next(pid for pid, role in old.items() if role == "replica")
+    files = files_of(old) | files_of_tree(replica)
     assert any(f.startswith(SHM_DIR + "psm_") for f in files), files
+    assert any(not f.startswith(SHM_DIR) for f in files), files
     base = footprint(_raylets(rig))
     names = set(ple_shm_entries())  # others on the machine may hold ray-ple names (benches)
     rig["logs"].mark()
@@ -208,7 +209,7 @@ def _case(rig, name: str, inject, reason: str | None, where: str | None = None, 
     assert set(ple_shm_entries()) <= names, "a ray-ple name appeared"
     if reason is not None:
         left = _left_files(files)
-        assert left == [], f"/dev/shm names left by the replica: {left}"
+        assert left == [], f"/dev/shm names or socket files left by the replica: {left}"
     assert _footprint_back(rig, base) == [], "memory or processes of the old replica left"
     assert clients.wrong(rig["reference"]) == []
     row["responses_ok_err"] = clients.counts()

@@ -12,7 +12,9 @@ gone, removes those that no live process maps or holds open.
 The same holds for vLLM's ZMQ `ipc://` endpoints: socket files in the temp dir, unlinked by
 ZMQ when the binding socket closes, left behind by a SIGKILL (a few per replica). They are
 taken in the same inventory (the paths the replica's processes have bound, from
-/proc/net/unix) and removed once no socket is bound to them any more.
+/proc/net/unix) and removed once no socket is bound to them any more. The inventory covers
+every process under the replica (`files_of_tree`): the engine core binds two endpoints of its
+own, and was missed while the inventory read only the watched processes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
+
+import psutil
 
 SHM_DIR = "/dev/shm/"
 _DELETED = " (deleted)"
@@ -104,6 +108,22 @@ def files_of(pids: Iterable[int]) -> set[str]:
     """Everything these processes would leave behind if killed: shm files and socket files."""
     pids = list(pids)
     return shm_files_of(pids) | socket_files_of(pids)
+
+
+def files_of_tree(root: int) -> set[str]:
+    """`files_of` every live descendant of `root`: vLLM's engine core, which binds its own
+    ZMQ endpoints and is not one of the processes the supervisor watches. A child whose pid
+    was reused while its files were read (psutil compares start times) adds nothing."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return set()
+    found: set[str] = set()
+    for child in children:
+        files = files_of([child.pid])
+        if child.is_running():
+            found |= files
+    return found
 
 
 def _is_socket(path: str) -> bool:

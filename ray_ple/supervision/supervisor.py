@@ -50,7 +50,7 @@ from ray_ple.protocol.transaction import (
     went_back,
 )
 from ray_ple.supervision import metrics
-from ray_ple.supervision.engine_leftovers import files_of, remove_unused
+from ray_ple.supervision.engine_leftovers import files_of, files_of_tree, remove_unused
 from ray_ple.supervision.offload_group import OffloadGroup
 from ray_ple.supervision.processes import ProcessSet, descends_from
 
@@ -177,8 +177,10 @@ class Supervisor:
                                    "not a live process of this replica")
                 pids.append(pid)
             self._engine_started = True
-            # vLLM's queues exist now; a verdict kills first, when the maps are read no more
-            self._leftovers = files_of(self._procs.named())
+            # vLLM's queues and sockets exist now (the engine core's too: listed, not
+            # watched); a verdict kills first, when the maps are read no more
+            self._leftovers = (files_of(self._procs.named())
+                               | files_of_tree(self.spec.replica_pid))
             return EngineAttached(worker_pids=tuple(pids))
 
     def verdict(self) -> Verdict | None:
