@@ -6,14 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ray_ple.offload import gather as gather_module
 from ray_ple.offload.gather import RowGatherer
 
 ROWS, ROW_BYTES, PARTS = 1000, 96, 3
 
 
+@pytest.mark.parametrize("part_pool", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("t", [1, 5, 64, 300])
-def test_rows_and_parts_are_the_tables_bytes(threads: int, t: int) -> None:
+def test_rows_and_parts_are_the_tables_bytes(threads: int, t: int, part_pool: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if part_pool:  # parts this small go to the pool only with the threshold at 0
+        monkeypatch.setattr(gather_module, "_PARALLEL_MIN_PART_BYTES", 0)
     rng = np.random.default_rng(t)
     table = rng.integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
     ids = rng.integers(-5, ROWS + 5, t)

@@ -8,9 +8,11 @@ numpy only (the offload process imports no torch): a whole row is `np.take` stra
 the slot; a column range is fancy indexing (`np.take` on a column view would first copy the
 whole table to make it contiguous). With `gather_threads > 1`, whole-row steps of at least
 `_PARALLEL_MIN_TOKENS` tokens are split by token over a thread pool (`np.take` copies
-without the GIL). A part is gathered by the serving thread alone: split over 8 threads, a
-part of 1,024 tokens took 640 us instead of 420 (H200 host, bench/cuda/README.md,
-late-run12). Ordinary stores only: the flag that follows needs no `sfence` on x86-64.
+without the GIL). A part (fancy indexing) gains less from the pool: split over 8 threads, a
+1.5 MB part took 640 us instead of 420 alone, a 3.1 MB part about the same either way, a
+12.6 MB part ~1.1 ms against ~3.5 ms alone at the 3.1 MB rate (H200 host, bench/cuda/README.md,
+late-run12), so only parts of `_PARALLEL_MIN_PART_BYTES` or more go to the pool. Ordinary
+stores only: the flag that follows needs no `sfence` on x86-64.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from ray_ple.testing import timing
 
 _PARALLEL_MIN_TOKENS = 64
+_PARALLEL_MIN_PART_BYTES = 4 << 20  # a part below this is faster on one thread (H200 host)
 
 
 class RowGatherer:
@@ -65,7 +68,8 @@ class RowGatherer:
         elif t > 1:
             idx = self._idx[:t]
             if (self._pool is not None and t >= _PARALLEL_MIN_TOKENS
-                    and out.shape[1] == self.table.shape[1]):
+                    and (out.shape[1] == self.table.shape[1]
+                         or out.nbytes >= _PARALLEL_MIN_PART_BYTES)):
                 bounds = np.linspace(0, t, self._threads + 1).astype(int)
                 list(self._pool.map(lambda ab: self._copy(idx[ab[0]:ab[1]], out[ab[0]:ab[1]],
                                                           col_offset),
