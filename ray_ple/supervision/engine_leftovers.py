@@ -5,8 +5,8 @@ semaphores (`sem.mp-*`, e.g. the executor's worker lock in vLLM's engine core) a
 their owner on an orderly exit, or by the resource tracker of the process tree. A replica
 ended by a verdict (SIGKILL to every process of it), or one whose children Ray kills at the end
 of a stop, loses both: the names stay in /dev/shm with every page they touched until the node
-restarts. The supervisor takes the inventory of the
-replica's shared-memory files just before the replica ends and, once every process of it is
+restarts. The supervisor takes the inventory of the replica's shared-memory files once its
+engine has started (a verdict kills first, reading nothing) and, once every process of it is
 gone, removes those that no live process maps or holds open.
 
 The same holds for vLLM's ZMQ `ipc://` endpoints: socket files in the temp dir, unlinked by
