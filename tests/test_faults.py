@@ -306,8 +306,9 @@ CUTS = [
     ("worker.raise_before_post", "PEER_DEAD", "supervisor"),
     ("worker.raise_after_post", "ABANDONED", "worker"),
     ("worker.lost_post", "CONSUME_WAIT", "consumer"),  # at step_s
-    # The offload side is woken by the doorbell and sees the jump first; the supervisor
-    # would call the same counters INVARIANT only if it polled inside that wake-up (us).
+    # The offload side is woken by the doorbell and sees the jump first. A supervisor poll
+    # inside that wake-up (us) confirms what it saw 5 ms later, by when the side has named
+    # it (once it called the same counters INVARIANT, before the confirmation read the state).
     ("worker.skip_post", "COUNTER_SKIP", "offload"),
     # The offload side and the supervisor keep the same step_s deadline on the same step.
     ("worker.stall_before_release", "STEP_DEADLINE", None),

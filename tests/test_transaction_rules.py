@@ -35,7 +35,7 @@ from ray_ple.protocol.transaction import (
     went_back,
 )
 from ray_ple.supervision.processes import ProcessSet
-from ray_ple.supervision.supervisor import _Watched
+from ray_ple.supervision.supervisor import Supervisor, _Problem, _Watched
 
 ROW_ELEMS, MAX_TOKENS = 32, 16
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=MAX_TOKENS, layers=(
@@ -275,6 +275,29 @@ def test_supervisor_rules():
         with pytest.raises(Exception) as exc:
             watched.read()
         assert exc.value.reason is Reason.SEGMENT_LOST
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("side_failed", [Reason.COUNTER_SKIP, None], ids=["side", "no_side"])
+def test_the_supervisor_confirms_a_violation_and_a_side_names_its_cause(side_failed):
+    """A poll that saw a skipped post before the offload side woke: the confirmation read
+    finds the side's FAILED and takes its reason; with no side failed, the supervisor's own."""
+    pair = Pair()
+    try:
+        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                                  layout=pair.layout)
+        watched = _Watched(handle, FAST)
+        pair.block.posted = 2  # one step skipped, nothing released
+        seen = watched.read()
+        if side_failed is not None:
+            pair.block.fail(side_failed)  # the offload side wakes up and fails closed
+        sup = Supervisor.__new__(Supervisor)  # only the check, no watch thread
+        sup._closing = False
+        with pytest.raises(_Problem) as exc:
+            sup._check_pair(watched, seen, time.monotonic_ns())
+        assert exc.value.reason is (side_failed or Reason.INVARIANT)
     finally:
         pair.close()
 

@@ -57,6 +57,7 @@ from ray_ple.supervision.processes import ProcessSet, descends_from
 KV_PREFIX = "ray_ple:verdict:"
 CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more
 METRICS_FLUSH_S = 12.0  # > Ray's metrics report interval (10 s), so the verdict is exported
+CONFIRM_S = 0.005  # between a counter violation and the read that confirms it
 _DEADLINES = {Reason.STEP_DEADLINE: "step", Reason.PUBLISH_DEADLINE: "publish",
               Reason.OFFLOAD_WAIT: "offload_wait", Reason.CONSUME_WAIT: "consume",
               Reason.HEARTBEAT: "heartbeat", Reason.STARTUP_DEADLINE: "startup"}
@@ -250,9 +251,17 @@ class Supervisor:
                            rank=handle.rank)
         c = b.counters()
         if went_back(w.last, c) or invariant_violation(c):
-            # a stall inside one read can mix two steps: only a second read that still breaks
-            # a rule is a verdict
-            c = w.read().counters()
+            # a stall inside one read can mix two steps: only a second read, CONFIRM_S later,
+            # that still breaks a rule is a verdict. The sides check the same counters where
+            # they move them; a side that failed closed meanwhile names the cause (this read
+            # could otherwise land inside the offload side's wake-up and call a skipped post
+            # INVARIANT, as it did once in a fault row). The sides themselves hold the pair.
+            time.sleep(CONFIRM_S)
+            again = w.read()
+            if again.state is State.FAILED:
+                raise _Problem(Reason(again.reason), "a side of the pair failed closed",
+                               rank=handle.rank, seq=again.posted)
+            c = again.counters()
             if (f := went_back(w.last, c) or invariant_violation(c)) is not None:
                 raise _Problem.of(f, handle, c.posted)
         if c.released > w.last.released:
