@@ -115,21 +115,38 @@ class Late:
 
     def __init__(self, late: rig.LateStandIn) -> None:
         self.m = late
-        self.per_part = LAYERS // len(late.slots)
+        layers = [w * 2 // D for w in late.widths]
+        self.at = [(p, k) for p, n in enumerate(layers) for k in range(n)]  # layer -> (part, k)
 
-    def start(self, ids: torch.Tensor) -> torch.Tensor:
+    def start(self, ids: torch.Tensor) -> Any:
         return self.m.pull(ids)
 
-    def layer(self, buf: torch.Tensor, layer: int) -> torch.Tensor:
-        p, k = divmod(layer, self.per_part)
+    def layer(self, buf: Any, layer: int) -> torch.Tensor:
+        p, k = self.at[layer]
         if k == 0:
             self.m.wait(buf, p)
         return buf[p][:, k * D:(k + 1) * D]
 
-    def check(self, buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        words = buf.view(torch.int32)
-        expect = ids.to(torch.int32)[None, :, None] * self.m.words + self.m.cols[:, None, :]
-        return (words != expect).sum()
+    def check(self, buf: Any, ids: torch.Tensor) -> torch.Tensor:
+        return self.m.check(buf, ids)
+
+
+def parse_split(spec: str) -> tuple[int, ...]:
+    """`7` -> seven parts of 6 layers; `1+2+4+8+27` -> those layers per part, in order."""
+    if "+" in spec:
+        split = tuple(int(x) for x in spec.split("+"))
+    else:
+        n = int(spec)
+        if n < 1 or LAYERS % n:
+            raise ValueError(f"{spec}: not a divisor of {LAYERS} (write unequal parts as a+b+...)")
+        split = (LAYERS // n,) * n
+    if sum(split) != LAYERS or min(split) < 1:
+        raise ValueError(f"{spec}: parts must cover the {LAYERS} layers")
+    return split
+
+
+def split_label(split: tuple[int, ...]) -> str:
+    return f"P{len(split)}" if len(set(split)) == 1 else "s" + "-".join(map(str, split))
 
 
 class Stack(torch.nn.Module):
@@ -299,13 +316,12 @@ class Bench:
         # decode sizes, `gather_threads_big` above 256 tokens (a pool per part costs more
         # than it saves on small steps: bench/cuda/README.md)
         widths = {False: a.gather_threads, True: a.gather_threads_big}
-        for p in [1, *self.parts()]:
-            geo = rig.geometry(self.rows, max_t, tuple([LAYERS // p] * p) if p > 1 else (),
-                               row_elems=ROW_ELEMS)
+        for p in dict.fromkeys([(LAYERS,), *self.parts(), *self.splits()]):
+            geo = rig.geometry(self.rows, max_t, p if len(p) > 1 else (), row_elems=ROW_ELEMS)
             self.geos[p] = geo
             for big, threads in widths.items():
                 off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
-                                         actor_name=f"bench-model-p{p}-{threads}",
+                                         actor_name=f"bench-model-{split_label(p)}-{threads}",
                                          gather_threads=threads)
                 self.offloads.append(off)
                 first = not self.pairs
@@ -334,8 +350,11 @@ class Bench:
     def tokens(self) -> list[int]:
         return [int(x) for x in self.a.tokens.split(",")]
 
-    def parts(self) -> list[int]:
-        return [int(x) for x in self.a.parts.split(",")]
+    def parts(self) -> list[tuple[int, ...]]:
+        return [parse_split(x) for x in self.a.parts.split(",")]
+
+    def splits(self) -> list[tuple[int, ...]]:
+        return [parse_split(x) for x in self.a.splits.split(",") if x]
 
     def close(self) -> None:
         for off in self.offloads:
@@ -357,6 +376,9 @@ class Bench:
         if launch_first and self.device.type != "cuda":
             return  # eager on CPU: a forward launched before its post would pull unposted
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
+        if isinstance(extra.get("parts"), tuple):
+            split = extra["parts"]
+            extra.update(parts=len(split) if len(split) > 1 else 1, split=list(split))
         if pair is not None:
             extra["gather_threads"] = (self.a.gather_threads_big if t > 256
                                        else self.a.gather_threads)
@@ -387,11 +409,12 @@ class Bench:
         if dev.type == "cuda":
             out["B"] = (Whole(UvaRows(self.table_dev, self.rows, dev.index or 0), self.rows, dev),
                         None)
-        out["C"] = (Whole(pull_whole, self.rows, dev), self.pairs[1, t > 256])
+        out["C"] = (Whole(pull_whole, self.rows, dev), self.pairs[(LAYERS,), t > 256])
         return out
 
-    def late_source(self, p: int) -> Late:
-        return Late(rig.LateStandIn(self.rows, self.geos[p], ROW_ELEMS).to(self.device))
+    def late_source(self, p: tuple[int, ...], indexed: bool = False) -> Late:
+        return Late(rig.LateStandIn(self.rows, self.geos[p], ROW_ELEMS,
+                                    indexed=indexed).to(self.device))
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.t_start > self.a.budget_s
@@ -446,10 +469,38 @@ class Bench:
             for p in self.parts()[1:]:
                 late = Stack(self.weights, self.late_source(p), self.rows)
                 pair = self.pairs[p, t > 256]
-                self.measure("model", t, f"L_P{p}", late, pair, n, warm, parts=p)
-                self.measure("model", t, f"L_P{p}_lf", late, pair, n, warm, True, parts=p)
+                name = f"L_{split_label(p)}"
+                self.measure("model", t, name, late, pair, n, warm, parts=p)
+                self.measure("model", t, f"{name}_lf", late, pair, n, warm, True, parts=p)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "parts_after_T": t}), flush=True)
+                    return
+
+    def run_splits(self) -> None:
+        """L under each `--splits` layout (a pair of its own per split), interleaved with A,
+        B and the main L over `--split-rounds` rounds, order alternating: the same machine
+        state for every split of a round. Every split is checked through the same index
+        maps (`indexed`), so a split's check costs the same whatever its widths; `L` keeps
+        the main split's broadcast check, which prices the index check (`L` vs `L_<main>`)."""
+        a, main = self.a, self.parts()[0]
+        for t in self.tokens():
+            n, warm = (a.steps, a.warm) if t <= 256 else (a.big_steps, 3)
+            srcs = self.sources(t)
+            runs: list[tuple[str, Stack, Any, tuple[int, ...]]] = [
+                (name, Stack(self.weights, src, self.rows), pair, (LAYERS,))
+                for name, (src, pair) in srcs.items() if name in ("A", "B")]
+            runs.append(("L", Stack(self.weights, self.late_source(main), self.rows),
+                         self.pairs[main, t > 256], main))
+            for sp in self.splits():
+                runs.append((f"L_{split_label(sp)}", Stack(
+                    self.weights, self.late_source(sp, indexed=True), self.rows),
+                    self.pairs[sp, t > 256], sp))
+            for r in range(a.split_rounds):
+                for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
+                    self.measure("model", t, name, model, pair, n, warm, parts=sp, round=r)
+                if self.over_budget():
+                    print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
+                          flush=True)
                     return
 
     def run_synthetic(self) -> None:
@@ -486,9 +537,9 @@ def run_turnaround(b: Bench) -> None:
     a, main = b.a, b.parts()[0]
     for t in b.tokens():
         n = 100 if t <= 256 else 8
-        for p in (1, main):
+        for p in dict.fromkeys([(LAYERS,), main, *b.splits()]):
             pair = b.pairs[p, t > 256]
-            model = (rig.StandIn(b.rows, ROW_ELEMS) if p == 1 else
+            model = (rig.StandIn(b.rows, ROW_ELEMS) if len(p) == 1 else
                      rig.LateStandIn(b.rows, b.geos[p], ROW_ELEMS)).to(b.device)
             loop = Loop(model, torch.from_numpy(rig.first_ids(t, b.rows, t)).to(b.device), pair)
             flags = pair.block.flags
@@ -507,7 +558,8 @@ def run_turnaround(b: Bench) -> None:
                     pair.transport.replayed(loop.record)
                     loop.graph.replay()
             torch.cuda.synchronize()
-            b.emit(consumer="turnaround", T=t, variant="C" if p == 1 else "L", parts=p,
+            b.emit(consumer="turnaround", T=t, variant="C" if len(p) == 1 else "L",
+                   parts=len(p), split=list(p),
                    gather_threads=a.gather_threads_big if t > 256 else a.gather_threads,
                    flag_up_us=[round(float(np.median(v[5:])) * 1e6, 1) for v in seen],
                    wrong_words=int(loop.err.item()))
@@ -532,7 +584,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--tokens", default="1,8,64,256,8192")
     ap.add_argument("--parts", default="7,2,14",
-                    help="part counts (divisors of 42); the first is L, the rest L_P<n>")
+                    help="part counts (divisors of 42) or splits (1+2+4+8+27); the first is L, "
+                    "the rest L_P<n> / L_s<split>")
     ap.add_argument("--parts-tokens", default="1,256,8192",
                     help="token counts for the other part counts")
     ap.add_argument("--steps", type=int, default=300)
@@ -550,14 +603,20 @@ def main() -> None:
                     "for L, measured as L_NAME, interleaved over --cap-rounds (e.g. "
                     "'u:;b4:late_copy_blocks=4;dma:late_sm_max_bytes=0')")
     ap.add_argument("--cap-rounds", type=int, default=4)
-    ap.add_argument("--skip", default="", help="comma list of model,parts,synthetic to skip")
+    ap.add_argument("--splits", default="", help="comma list of splits (as --parts) measured "
+                    "as L_<split>, interleaved with A, B and L over --split-rounds")
+    ap.add_argument("--split-rounds", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma list of model,parts,splits,synthetic,"
+                    "turnaround to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    for p in [int(x) for x in a.parts.split(",")]:
-        if LAYERS % p:
-            ap.error(f"--parts {p}: not a divisor of {LAYERS}")
+    for spec in [x for x in f"{a.parts},{a.splits}".split(",") if x]:
+        try:
+            parse_split(spec)
+        except ValueError as exc:
+            ap.error(f"--parts/--splits {exc}")
     b = Bench(a)
     skip = set(a.skip.split(","))
     try:
@@ -571,6 +630,8 @@ def main() -> None:
             b.run_synthetic()
         if "parts" not in skip:
             b.run_parts()
+        if "splits" not in skip and b.splits():
+            b.run_splits()
         if "turnaround" not in skip and b.device.type == "cuda":
             run_turnaround(b)
         status = [off.status() for off in b.offloads]

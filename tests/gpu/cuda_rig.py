@@ -193,43 +193,83 @@ class StandIn(torch.nn.Module):
         return bad, nxt, consumed
 
 
+class PartBuffers(list):
+    """Each part's `[T, width]` view of one flat buffer (parts concatenated, any widths)."""
+
+    flat: torch.Tensor
+
+
 class LateStandIn(torch.nn.Module):
     """The late pull: every part's `pull_async` first, then per part its `pull_wait` and the
-    check of its words, one buffer `(P, T, words per part)` (parts of equal width)."""
+    check of its words. Parts of equal width share one buffer `(P, T, words per part)` and a
+    broadcast check; parts of unequal width (or `indexed=True`) sit in one flat buffer and
+    are checked against per-T index maps (one more gather over the words than the broadcast)."""
 
-    def __init__(self, rows: int, geo: PleGeometry, row_elems: int = ROW_ELEMS) -> None:
+    def __init__(self, rows: int, geo: PleGeometry, row_elems: int = ROW_ELEMS,
+                 indexed: bool = False) -> None:
         super().__init__()
         import ray_ple.worker.ops  # noqa: F401 - registers the pull ops
 
         self.slots = part_slots(geo)
-        widths = {w for _, _, w in self.slots}
-        if len(widths) != 1:
-            raise ValueError(f"parts of unequal width {sorted(widths)}")
-        self.rows, self.words, self.part_words = rows, row_elems // 2, widths.pop()
+        widths = [w for _, _, w in self.slots]
+        self.equal = len(set(widths)) == 1 and not indexed
+        self.rows, self.words, self.widths = rows, row_elems // 2, widths
+        self.part_words = widths[0] if self.equal else 0
         self.register_buffer("cols", torch.tensor(
-            [[c0 + j for j in range(self.part_words)] for _, c0, _ in self.slots],
+            [[c0 + j for j in range(w)] for _, c0, w in self.slots] if self.equal else [],
             dtype=torch.int32), persistent=False)
+        self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         gen = torch.Generator().manual_seed(0)
-        self.mix = torch.nn.Parameter(torch.randn(256, 16, generator=gen), requires_grad=False)
+        self.mix = torch.nn.Parameter(torch.randn(128, 16, generator=gen), requires_grad=False)
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty((len(self.slots), ids.shape[0], self.part_words * 2),
-                          dtype=torch.bfloat16, device=ids.device)
-        for p, (name, _, _) in enumerate(self.slots):
-            torch.ops.ray_ple.pull_async(buf[p], name)
+    def pull(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
+        t = ids.shape[0]
+        if self.equal:
+            buf = torch.empty((len(self.slots), t, self.part_words * 2),
+                              dtype=torch.bfloat16, device=ids.device)
+            parts = list(buf)
+        else:
+            buf = PartBuffers()
+            buf.flat = torch.empty(t * self.words * 2, dtype=torch.bfloat16, device=ids.device)
+            at = 0
+            for w in self.widths:
+                buf.append(buf.flat[at:at + t * w * 2].view(t, w * 2))
+                at += t * w * 2
+            parts = buf
+        for (name, _, _), view in zip(self.slots, parts, strict=True):
+            torch.ops.ray_ple.pull_async(view, name)
         return buf
 
-    def wait(self, buf: torch.Tensor, p: int) -> None:
+    def wait(self, buf: torch.Tensor | PartBuffers, p: int) -> None:
         torch.ops.ray_ple.pull_wait(buf[p], self.slots[p][0])
+
+    def index_maps(self, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, column) of every word of the flat buffer at `t` tokens; built on the first
+        (eager, warm-up) forward of each size, so a capture only reads them."""
+        if t not in self.maps:
+            tok, col = [], []
+            for _, c0, w in self.slots:
+                tok.append(torch.arange(t, dtype=torch.int32).repeat_interleave(w))
+                col.append((torch.arange(w, dtype=torch.int32) + c0).repeat(t))
+            self.maps[t] = (torch.cat(tok).to(device), torch.cat(col).to(device))
+        return self.maps[t]
+
+    def check(self, buf: torch.Tensor | PartBuffers, ids: torch.Tensor) -> torch.Tensor:
+        """Wrong int32 words of every part (0 when every row is right)."""
+        if self.equal:
+            words = buf.view(torch.int32)
+            expect = ids.to(torch.int32)[None, :, None] * self.words + self.cols[:, None, :]
+            return (words != expect).sum()
+        tok, col = self.index_maps(ids.shape[0], ids.device)
+        expect = (ids.to(torch.int32) * self.words).index_select(0, tok) + col
+        return (buf.flat.view(torch.int32) != expect).sum()
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         buf = self.pull(ids)
         for p in range(len(self.slots)):
             self.wait(buf, p)
-        words = buf.view(torch.int32)
-        expect = ids.to(torch.int32)[None, :, None] * self.words + self.cols[:, None, :]
-        bad = (words != expect).sum()
-        consumed = (words[0, :, :256] & 0xFF).float() @ self.mix
+        bad = self.check(buf, ids)
+        consumed = (buf[0][:, :256].view(torch.int32) & 0xFF).float() @ self.mix  # layer 0
         t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
         nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
         return bad, nxt, consumed
