@@ -1,0 +1,124 @@
+"""The worker's post alone: what `WorkerEnd.begin` + `must_ring` cost the host per step.
+
+The post sits between the engine's read of its sampled ids and the launch of the forward, so
+on a GPU every microsecond of it is a microsecond of the step (bench/cuda/README.md, the
+late pull's `host_post_us`). Measured on a real pair segment in shared memory with the real
+`WorkerEnd`; the offload side's part of each step (every slot's `published`, then the
+consumer's `released`) is written straight into its words, as tests/test_transaction_rules.py
+does, so nothing but the post is timed. Per slot count P and token count T: the best of
+`--repeat` runs of `--number` steps, less the same loop's cost of the offload side's writes.
+
+`--against REV` measures REV's code too (a temporary `git worktree`), the two interleaved
+over `--rounds` rounds in fresh processes, order alternating, and prints the ratio per case.
+
+    python bench/cpu/bench_post.py --against HEAD~1 --out bench/cpu/results/<run>
+
+A benchmark, not a test: nothing about time is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ((1, 1), (7, 1), (14, 1), (7, 64), (14, 64))  # (slots P, tokens T)
+
+
+def measure(number: int, repeat: int) -> list[dict[str, float]]:
+    """Runs in the code tree on sys.path[0]: ns per post for every case."""
+    import numpy as np
+
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.layout import SLOT_STRIDE, ControlBlock, PairLayout, State
+    from ray_ple.protocol.shm import SharedSegment
+    from ray_ple.protocol.transaction import WorkerEnd
+
+    out = []
+    for p, t in CASES:
+        layout = PairLayout.compute(8192, (3 * 512,) * p)
+        seg = SharedSegment.create("bench-post", layout.size)
+        try:
+            block = ControlBlock(seg, layout)
+            block.write_header(seg.token, "0" * 64)
+            block.set_state(State.READY)
+            worker = WorkerEnd(block, 0, PleDeadlines(), tuple(f"t#{i}" for i in range(p)))
+            published = np.ndarray((p,), np.uint64, seg.map, layout.published_offsets[0],
+                                   strides=(SLOT_STRIDE,))
+            ids = np.arange(t, dtype=np.int64)
+
+            def offload_side(s: int) -> None:
+                published[:] = s
+                block.released = s
+
+            def step() -> None:
+                s = worker.begin(ids)
+                worker.must_ring()
+                offload_side(s)
+                worker.end_step(s)
+
+            whole = min(timeit.repeat(step, number=number, repeat=repeat)) / number
+            side = min(timeit.repeat(lambda: offload_side(worker.step), number=number,
+                                     repeat=repeat)) / number
+            out.append({"P": p, "T": t, "post_ns": round((whole - side) * 1e9)})
+        finally:
+            seg.close()
+    return out
+
+
+def run_tree(tree: Path, number: int, repeat: int) -> list[dict[str, float]]:
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
+            f"sys.path.insert(1, {str(ROOT / 'bench' / 'cpu')!r}); import bench_post; "
+            f"print(json.dumps(bench_post.measure({number}, {repeat})))")
+    res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd=tempfile.gettempdir())
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--against", help="a git revision to measure side by side")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--number", type=int, default=5000)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    trees = {"this": ROOT}
+    tmp = None
+    if a.against:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-post-"))
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
+                        str(tmp / "tree"), a.against], check=True)
+        trees = {"this": ROOT, a.against: tmp / "tree"}
+    rows: list[dict] = []
+    try:
+        for r in range(a.rounds):
+            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                for row in run_tree(trees[name], a.number, a.repeat):
+                    rows.append({"code": name, "round": r, **row})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if tmp is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(tmp / "tree")], check=False)
+    print("\nmedian post, ns (over rounds)")
+    for p, t in CASES:
+        med = {n: statistics.median(x["post_ns"] for x in rows
+                                    if x["code"] == n and (x["P"], x["T"]) == (p, t))
+               for n in trees}
+        ratio = f"  this/{a.against} {med['this'] / med[a.against]:.2f}" if a.against else ""
+        print(f"P={p:>2} T={t:>2}: " + "  ".join(f"{n} {v:,.0f}" for n, v in med.items())
+              + ratio)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "post.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+
+if __name__ == "__main__":
+    main()
