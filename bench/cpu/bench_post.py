@@ -33,6 +33,11 @@ CASES = ((1, 1), (7, 1), (14, 1), (7, 64), (14, 64))  # (slots P, tokens T)
 
 def measure(number: int, repeat: int) -> list[dict[str, float]]:
     """Runs in the code tree on sys.path[0]: ns per post for every case."""
+    return [{"P": p, "T": t, "post_ns": round(_post_s(p, t, number, repeat) * 1e9)}
+            for p, t in CASES]
+
+
+def _post_s(p: int, t: int, number: int, repeat: int) -> float:
     import numpy as np
 
     from ray_ple.config import PleDeadlines
@@ -40,36 +45,33 @@ def measure(number: int, repeat: int) -> list[dict[str, float]]:
     from ray_ple.protocol.shm import SharedSegment
     from ray_ple.protocol.transaction import WorkerEnd
 
-    out = []
-    for p, t in CASES:
-        layout = PairLayout.compute(8192, (3 * 512,) * p)
-        seg = SharedSegment.create("bench-post", layout.size)
-        try:
-            block = ControlBlock(seg, layout)
-            block.write_header(seg.token, "0" * 64)
-            block.set_state(State.READY)
-            worker = WorkerEnd(block, 0, PleDeadlines(), tuple(f"t#{i}" for i in range(p)))
-            published = np.ndarray((p,), np.uint64, seg.map, layout.published_offsets[0],
-                                   strides=(SLOT_STRIDE,))
-            ids = np.arange(t, dtype=np.int64)
+    layout = PairLayout.compute(8192, (3 * 512,) * p)
+    seg = SharedSegment.create("bench-post", layout.size)
+    try:
+        block = ControlBlock(seg, layout)
+        block.write_header(seg.token, "0" * 64)
+        block.set_state(State.READY)
+        worker = WorkerEnd(block, 0, PleDeadlines(), tuple(f"t#{i}" for i in range(p)))
+        published = np.ndarray((p,), np.uint64, seg.map, layout.published_offsets[0],
+                               strides=(SLOT_STRIDE,))
+        ids = np.arange(t, dtype=np.int64)
 
-            def offload_side(s: int) -> None:
-                published[:] = s
-                block.released = s
+        def offload_side(s: int) -> None:
+            published[:] = s
+            block.released = s
 
-            def step() -> None:
-                s = worker.begin(ids)
-                worker.must_ring()
-                offload_side(s)
-                worker.end_step(s)
+        def step() -> None:
+            s = worker.begin(ids)
+            worker.must_ring()
+            offload_side(s)
+            worker.end_step(s)
 
-            whole = min(timeit.repeat(step, number=number, repeat=repeat)) / number
-            side = min(timeit.repeat(lambda: offload_side(worker.step), number=number,
-                                     repeat=repeat)) / number
-            out.append({"P": p, "T": t, "post_ns": round((whole - side) * 1e9)})
-        finally:
-            seg.close()
-    return out
+        whole = min(timeit.repeat(step, number=number, repeat=repeat)) / number
+        side = min(timeit.repeat(lambda: offload_side(worker.step), number=number,
+                                 repeat=repeat)) / number
+        return whole - side
+    finally:
+        seg.close()
 
 
 def run_tree(tree: Path, number: int, repeat: int) -> list[dict[str, float]]:

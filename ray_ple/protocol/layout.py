@@ -130,6 +130,9 @@ class ControlBlock:
         self._sleeping = _u32(buf, SLEEPING_OFF)
         self.flags = [_u32(buf, off) for off in layout.flag_offsets]
         self._published = [_u64(buf, off) for off in layout.published_offsets]
+        # every slot's `published` as one strided view: the post reads them in one call
+        self._published_all = np.ndarray((len(layout.published_offsets),), np.uint64, buf,
+                                         layout.published_offsets[0], strides=(SLOT_STRIDE,))
         self._stamps = [_u64(buf, off) for off in layout.stamp_offsets]
         if seg is None:
             return  # a snapshot of the words page: no input or output slots
@@ -187,6 +190,11 @@ class ControlBlock:
         if int(self._state[1]) != 0:
             return State.FAILED
         return State(int(self._state[0]))
+
+    def ready(self) -> bool:
+        """READY and no reason set, in one read of both words (the post's fast path)."""
+        state, reason = self._state.tolist()
+        return reason == 0 and state == State.READY
 
     @property
     def reason(self) -> int:
@@ -285,6 +293,6 @@ class ControlBlock:
     def counters(self) -> Counters:
         """Read in the order that cannot tear across steps: `released` (moves last), then
         `published`, then `posted` (moves first); a later word is never older than an earlier."""
-        released = self.released
-        published = tuple(self.published(i) for i in range(len(self.flags)))
-        return Counters(self.posted, published, released)
+        released = int(self._released[0])
+        published = tuple(self._published_all.tolist())  # aligned 8-byte loads, in slot order
+        return Counters(int(self._posted[0]), published, released)

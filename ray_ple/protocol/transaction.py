@@ -127,6 +127,8 @@ def next_posted(last: int, posted: int, released: int) -> Failure | None:
 
 def peer_state(block: ControlBlock) -> Failure | None:
     """The pair must be READY to take or serve a step; FAILED carries the peer's reason."""
+    if block.ready():
+        return None
     state = block.state
     if state is State.FAILED:
         return Failure(Reason.PEER_FAILED, f"pair failed with reason {Reason(block.reason).name}")
@@ -263,7 +265,7 @@ class WorkerEnd:
             self.fail(f)
         c = b.counters()
         s = self.step
-        if c.posted != s or c.released != s or any(p != s for p in c.published):
+        if c.posted != s or c.released != s or c.published.count(s) != len(c.published):
             self.fail(Failure(Reason.INVARIANT, f"expected all counters at {s}, got "
                               f"{tuple(c)}"))
         t = int(ids.shape[0])
