@@ -36,10 +36,14 @@ class PleConfig(Frozen):
     )
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
-    parts: Annotated[int, Field(ge=1, le=128)] | Literal["auto"] = Field(
+    parts: (Annotated[int, Field(ge=1, le=128)] | Literal["auto"]
+            | Annotated[tuple[Annotated[int, Field(ge=1)], ...],
+                        Field(min_length=1, max_length=128)]) = Field(
         "auto", description="slots per table row, each of consecutive layers with its own "
-        "flag, waited for at its first layer (late waits); auto: groups of about 6 layers; "
-        "1: the whole row at once"
+        "flag, waited for at its first layer (late waits): n parts as even as can be, or a "
+        "list of layers per part in order (adding up to the model's layers); auto: one part "
+        "up to 6 layers, above parts of 1, 2, 4, ... layers and the rest; 1: the whole row "
+        "at once"
     )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "

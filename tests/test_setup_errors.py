@@ -53,6 +53,44 @@ def test_model_without_ple_table(tmp_path):
         geometry_from_config(read_hf_config(tmp_path), max_tokens=16)
 
 
+def _gemma(tmp_path, arch: str, layers: int):
+    cfg = {"architectures": [arch], "num_hidden_layers": layers,
+           "hidden_size_per_layer_input": 8, "vocab_size": 256, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(("layers", "parts", "split"), [
+    (42, "auto", (1, 2, 4, 8, 27)), (35, "auto", (1, 2, 4, 8, 20)), (8, "auto", (1, 2, 5)),
+    (7, "auto", (1, 2, 4)), (6, "auto", ()), (2, "auto", ()), (42, 7, (6,) * 7),
+    (8, 3, (2, 3, 3)), (42, 1, ()), (42, [3, 39], (3, 39)), (4, [1, 1, 1, 1], (1, 1, 1, 1)),
+])
+def test_parts_split_the_row_as_configured(tmp_path, layers, parts, split):
+    ple = PleConfig.model_validate({"parts": parts})
+    geo = geometry_from_config(_gemma(tmp_path, "Gemma4ForCausalLM", layers), max_tokens=8,
+                               parts=ple.parts)
+    assert geo.parts == split
+    assert sum(geo.part_layers) == layers
+
+
+@pytest.mark.parametrize(("arch", "layers", "parts", "match"), [
+    ("Gemma4ForCausalLM", 42, [1, 2, 4], r"ple.parts=\[1, 2, 4\]: .* add up to 42"),
+    ("Gemma4ForCausalLM", 8, 9, r"ple.parts=9: .* so 1..8 parts"),
+    ("Gemma3nForCausalLM", 8, [4, 4], r"pulls the whole row before its first layer"),
+])
+def test_parts_that_do_not_fit_the_model_are_one_clear_error(tmp_path, arch, layers, parts,
+                                                             match):
+    ple = PleConfig.model_validate({"parts": parts})
+    with pytest.raises(PleConfigError, match=match):
+        geometry_from_config(_gemma(tmp_path, arch, layers), max_tokens=8, parts=ple.parts)
+
+
+@pytest.mark.parametrize("parts", [[], [0, 2], [2, -1], 0, "half"])
+def test_malformed_parts_are_rejected_by_the_config(parts):
+    with pytest.raises(ValidationError, match="parts"):
+        PleConfig.model_validate({"parts": parts})
+
+
 @pytest.fixture()
 def live_pair(tmp_path):
     path = tmp_path / "ckpt"

@@ -114,19 +114,43 @@ def slot_name(table: str, part: int, parts: int) -> str:
     return table if parts == 1 else f"{table}#{part}"
 
 
-def split_layers(num_layers: int, parts: int | Literal["auto"]) -> tuple[int, ...]:
-    """Layers per part, in order, as even as can be (earlier parts never larger).
+Parts = int | Literal["auto"] | tuple[int, ...]
 
-    "auto": groups of about six layers (E4B's 42 -> 7 parts, E2B's 35 -> 6, tiny ones 1):
-    enough flags that the gather runs ahead of the layers, few enough that each wait and
-    copy stays cheap.
+
+def split_layers(num_layers: int, parts: Parts) -> tuple[int, ...]:
+    """Layers per part, in order.
+
+    An int n: n parts, as even as can be (earlier parts never larger). A tuple: those
+    layers per part, covering the row. "auto": one part up to 6 layers; above, parts that
+    double from one layer (1, 2, 4, ...) until the rest is under three times the next size,
+    then the rest (E4B's 42 -> 1, 2, 4, 8, 27; E2B's 35 -> 1, 2, 4, 8, 20). A small first
+    part is up before layer 0's gate even at thousands of tokens; each later part's gather
+    has its predecessors' layers to hide behind, which grow as fast as the parts do; and
+    few parts keep the forks, waits and joins few (bench/cuda/README.md, late-run13).
     """
-    n = max(1, -(-num_layers // 6)) if parts == "auto" else int(parts)
+    if isinstance(parts, tuple):
+        if not parts or min(parts) < 1 or sum(parts) != num_layers:
+            raise PleConfigError(f"ple.parts={list(parts)}: the table's row holds {num_layers} "
+                                 f"layers, so parts of >= 1 layer that add up to {num_layers}")
+        return parts
+    if parts == "auto":
+        return _doubling(num_layers) if num_layers > 6 else (num_layers,)
+    n = int(parts)
     if not 1 <= n <= num_layers:
         raise PleConfigError(f"ple.parts={parts}: the table's row holds {num_layers} layers, "
                              f"so 1..{num_layers} parts")
     base, extra = divmod(num_layers, n)
     return tuple(base + (1 if i >= n - extra else 0) for i in range(n))
+
+
+def _doubling(num_layers: int) -> tuple[int, ...]:
+    out, size, rest = [], 1, num_layers
+    while rest:
+        take = rest if rest < 3 * size else size
+        out.append(take)
+        rest -= take
+        size *= 2
+    return tuple(out)
 
 
 class PleGeometry(BaseModel):
@@ -211,7 +235,7 @@ def _engine_dtype(hf: dict[str, Any], engine_dtype: str | None) -> DType:
 
 def geometry_from_config(
     hf: dict[str, Any], *, max_tokens: int, engine_dtype: str | None = None,
-    parts: int | Literal["auto"] = 1,
+    parts: Parts = 1,
 ) -> PleGeometry:
     """The offload geometry of a checkpoint, or one clear error if it has no PLE table.
 
@@ -240,7 +264,7 @@ def geometry_from_config(
         dtype=_engine_dtype(hf, engine_dtype),
     )
     if not ARCHITECTURES[arch].late_waits:
-        if parts not in (1, "auto"):
+        if parts not in (1, "auto") and not (isinstance(parts, tuple) and len(parts) == 1):
             raise PleConfigError(f"ple.parts={parts}: {arch}'s offload class pulls the whole "
                                  "row before its first layer, so one part (1 or auto)")
         parts = 1
