@@ -566,17 +566,41 @@ def run_turnaround(b: Bench) -> None:
 
 
 def print_tables(lines: list[dict[str, Any]]) -> None:
+    """Per T and variant: the median over rounds of the step's median, added over A of the
+    same round, each round's figure in brackets where there were several."""
     for consumer in ("model", "synthetic"):
         rows = [r for r in lines if r["consumer"] == consumer]
-        variants = list(dict.fromkeys(r["variant"] for r in rows))
-        print(f"\n{consumer}: median us per step (added vs A) | p99 | wrong words")
+        print(f"\n{consumer}: median us per step over rounds, added vs A [per round] | p99 | "
+              "wrong words | host post us")
         for t in dict.fromkeys(r["T"] for r in rows):
-            at = {r["variant"]: r for r in rows if r["T"] == t}
-            base = at.get("A", {}).get("median_us", 0.0)
-            cells = [f"{v}={at[v]['median_us']:.1f}({at[v]['median_us'] - base:+.1f})"
-                     f"/p99 {at[v]['p99_us']:.0f}/w{at[v]['wrong_words']}"
-                     for v in variants if v in at]
+            at = [r for r in rows if r["T"] == t]
+            base = {r.get("round", 0): r["median_us"] for r in at if r["variant"] == "A"}
+            cells = []
+            for v in dict.fromkeys(r["variant"] for r in at):
+                rs = [r for r in at if r["variant"] == v]
+                added = [r["median_us"] - base.get(r.get("round", 0), 0.0) for r in rs]
+                posts = [r["host_post_us"] for r in rs if "host_post_us" in r]
+                cell = (f"{v}={np.median([r['median_us'] for r in rs]):.1f}"
+                        f"({np.median(added):+.1f})")
+                if len(rs) > 1:
+                    cell += "[" + ",".join(f"{x:+.0f}" for x in added) + "]"
+                cell += (f"/p99 {np.median([r['p99_us'] for r in rs]):.0f}"
+                         f"/w{sum(r['wrong_words'] for r in rs)}")
+                if posts:
+                    cell += f"/post {np.median(posts):.0f}"
+                cells.append(cell)
             print(f"T={t}: " + "  ".join(cells))
+
+
+def summarize(path: Path) -> None:
+    """The tables of a recorded run (`--summarize <run>/model.jsonl`)."""
+    print_tables([json.loads(x) for x in path.read_text().splitlines()
+                  if x.startswith("{") and json.loads(x).get("consumer") in ("model",
+                                                                             "synthetic")])
+    for r in map(json.loads, path.read_text().splitlines()):
+        if r.get("consumer") == "turnaround":
+            print(f"turnaround T={r['T']} {split_label(tuple(r.get('split') or [r['parts']]))}"
+                  f": flag up (us after the post) {r['flag_up_us']}")
 
 
 def main() -> None:
@@ -610,8 +634,14 @@ def main() -> None:
                     "turnaround to skip")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--summarize", type=Path, help="print the tables of a recorded model.jsonl")
     a = ap.parse_args()
+    if a.summarize:
+        summarize(a.summarize)
+        return
+    if a.out is None:
+        ap.error("--out is required")
     for spec in [x for x in f"{a.parts},{a.splits}".split(",") if x]:
         try:
             parse_split(spec)
