@@ -105,7 +105,7 @@ def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocab
     as vLLM maps them (one pair of engines covers both, each engine costs minutes on CPU)."""
     model = "ray-ple://tiny-gemma4-ple192"
     job = {"model": model, "batches": BATCHES, "engine": {"enforce_eager": False}}
-    offload = run_job(cluster, {**job, "ple": {"parts": 2}})
+    offload = run_job(cluster, {**job, "ple": {"parts": [1, 1]}})  # layers per part
     plain = run_job(cluster, {**job, "ple": {"enabled": False}})
     assert offload["tokens"] == plain["tokens"]
     (status,) = offload["status"]
