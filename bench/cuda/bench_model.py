@@ -478,7 +478,8 @@ class Bench:
 
     def run_splits(self) -> None:
         """L under each `--splits` layout (a pair of its own per split), interleaved with A,
-        B and the main L over `--split-rounds` rounds, order alternating: the same machine
+        B and the main L (posted then launched, and `L_lf` launched then posted) over
+        `--split-rounds` rounds, order alternating: the same machine
         state for every split of a round. Every split is checked through the same index
         maps (`indexed`), so a split's check costs the same whatever its widths; `L` keeps
         the main split's broadcast check, which prices the index check (`L` vs `L_<main>`)."""
@@ -489,15 +490,17 @@ class Bench:
             runs: list[tuple[str, Stack, Any, tuple[int, ...]]] = [
                 (name, Stack(self.weights, src, self.rows), pair, (LAYERS,))
                 for name, (src, pair) in srcs.items() if name in ("A", "B")]
-            runs.append(("L", Stack(self.weights, self.late_source(main), self.rows),
-                         self.pairs[main, t > 256], main))
+            main_stack = Stack(self.weights, self.late_source(main), self.rows)
+            runs.append(("L", main_stack, self.pairs[main, t > 256], main))
+            runs.append(("L_lf", main_stack, self.pairs[main, t > 256], main))
             for sp in self.splits():
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
                     self.pairs[sp, t > 256], sp))
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
-                    self.measure("model", t, name, model, pair, n, warm, parts=sp, round=r)
+                    self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
+                                 parts=sp, round=r)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
                           flush=True)
