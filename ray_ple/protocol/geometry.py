@@ -265,7 +265,8 @@ def geometry_from_config(
     )
     if not ARCHITECTURES[arch].late_waits:
         if parts not in (1, "auto") and not (isinstance(parts, tuple) and len(parts) == 1):
-            raise PleConfigError(f"ple.parts={parts}: {arch}'s offload class pulls the whole "
+            shown = list(parts) if isinstance(parts, tuple) else parts
+            raise PleConfigError(f"ple.parts={shown}: {arch}'s offload class pulls the whole "
                                  "row before its first layer, so one part (1 or auto)")
         parts = 1
     split = split_layers(num_layers, parts)
