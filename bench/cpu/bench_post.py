@@ -11,6 +11,12 @@ does, so nothing but the post is timed. Per slot count P and token count T: the 
 `--against REV` measures REV's code too (a temporary `git worktree`), the two interleaved
 over `--rounds` rounds in fresh processes, order alternating, and prints the ratio per case.
 
+`--modes` adds per-post medians (`--single` posts, each timed alone) under the conditions a
+real step adds around the post, one at a time: `warm` (back to back, as above), `spinner`
+(a forked process spins on the block's `posted` word, as an offload side with
+`offload_spin_us` does), `cold` (`--evict-mib` of memory written between posts, as a
+forward's working set does between two posts).
+
     python bench/cpu/bench_post.py --against HEAD~1 --out bench/cpu/results/<run>
 
 A benchmark, not a test: nothing about time is asserted.
@@ -20,24 +26,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ((1, 1), (7, 1), (14, 1), (7, 64), (14, 64))  # (slots P, tokens T)
 
 
-def measure(number: int, repeat: int) -> list[dict[str, float]]:
+MODES = ("warm", "spinner", "cold")
+
+
+def measure(number: int, repeat: int, modes: tuple[str, ...] = (), single: int = 300,
+            evict_mib: int = 64) -> list[dict[str, float]]:
     """Runs in the code tree on sys.path[0]: ns per post for every case."""
-    return [{"P": p, "T": t, "post_ns": round(_post_s(p, t, number, repeat) * 1e9)}
+    return [{"P": p, "T": t, **_post_ns(p, t, number, repeat, modes, single, evict_mib)}
             for p, t in CASES]
 
 
-def _post_s(p: int, t: int, number: int, repeat: int) -> float:
+def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], single: int,
+             evict_mib: int) -> dict[str, int]:
     import numpy as np
 
     from ray_ple.config import PleDeadlines
@@ -69,15 +84,56 @@ def _post_s(p: int, t: int, number: int, repeat: int) -> float:
         whole = min(timeit.repeat(step, number=number, repeat=repeat)) / number
         side = min(timeit.repeat(lambda: offload_side(worker.step), number=number,
                                  repeat=repeat)) / number
-        return whole - side
+        out = {"post_ns": round((whole - side) * 1e9)}
+        clock = time.perf_counter_ns
+        bracket = statistics.median(-clock() + clock() for _ in range(1000))
+        evict = np.zeros(evict_mib << 17, np.int64)  # 8-byte words
+
+        def timed_post(between: Callable[[], object]) -> float:
+            between()
+            t0 = clock()
+            s = worker.begin(ids)
+            worker.must_ring()
+            took = clock() - t0
+            offload_side(s)
+            worker.end_step(s)
+            return took
+
+        for mode in modes:
+            spinner = _fork_spinner(block) if mode == "spinner" else None
+            try:
+                between = (lambda: np.add(evict, 1, out=evict)) if mode == "cold" else int
+                took = [timed_post(between) for _ in range(single)]
+            finally:
+                if spinner is not None:
+                    os.kill(spinner, signal.SIGKILL)
+                    os.waitpid(spinner, 0)
+            out[f"{mode}_median_ns"] = round(statistics.median(took) - bracket)
+        return out
     finally:
         seg.close()
 
 
-def run_tree(tree: Path, number: int, repeat: int) -> list[dict[str, float]]:
+def _fork_spinner(block) -> int:
+    """A child that reads `posted` in a loop, as a spinning offload side does, until killed."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            while True:
+                _ = block.posted
+                time.perf_counter()
+        finally:
+            os._exit(0)
+    time.sleep(0.05)  # the child is spinning before the first post
+    return pid
+
+
+def run_tree(tree: Path, number: int, repeat: int, modes: tuple[str, ...], single: int,
+             evict_mib: int) -> list[dict[str, float]]:
     code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
             f"sys.path.insert(1, {str(ROOT / 'bench' / 'cpu')!r}); import bench_post; "
-            f"print(json.dumps(bench_post.measure({number}, {repeat})))")
+            f"print(json.dumps(bench_post.measure({number}, {repeat}, {modes!r}, {single}, "
+            f"{evict_mib})))")
     res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, cwd=tempfile.gettempdir())
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -89,8 +145,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--number", type=int, default=5000)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--modes", default="", help=f"comma list of {', '.join(MODES)}: per-post "
+                    "medians under each condition")
+    ap.add_argument("--single", type=int, default=300, help="posts per --modes figure")
+    ap.add_argument("--evict-mib", type=int, default=64, help="memory written between posts "
+                    "(cold)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if bad := set(modes) - set(MODES):
+        ap.error(f"--modes: unknown {sorted(bad)}; known: {', '.join(MODES)}")
     trees = {"this": ROOT}
     tmp = None
     if a.against:
@@ -102,21 +166,23 @@ def main() -> None:
     try:
         for r in range(a.rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                for row in run_tree(trees[name], a.number, a.repeat):
+                for row in run_tree(trees[name], a.number, a.repeat, modes, a.single,
+                                    a.evict_mib):
                     rows.append({"code": name, "round": r, **row})
                     print(json.dumps(rows[-1]), flush=True)
     finally:
         if tmp is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                             str(tmp / "tree")], check=False)
-    print("\nmedian post, ns (over rounds)")
-    for p, t in CASES:
-        med = {n: statistics.median(x["post_ns"] for x in rows
-                                    if x["code"] == n and (x["P"], x["T"]) == (p, t))
-               for n in trees}
-        ratio = f"  this/{a.against} {med['this'] / med[a.against]:.2f}" if a.against else ""
-        print(f"P={p:>2} T={t:>2}: " + "  ".join(f"{n} {v:,.0f}" for n, v in med.items())
-              + ratio)
+    for key in ("post_ns", *(f"{m}_median_ns" for m in modes)):
+        print(f"\nmedian {key} (over rounds)")
+        for p, t in CASES:
+            med = {n: statistics.median(x[key] for x in rows
+                                        if x["code"] == n and (x["P"], x["T"]) == (p, t))
+                   for n in trees}
+            ratio = f"  this/{a.against} {med['this'] / med[a.against]:.2f}" if a.against else ""
+            print(f"P={p:>2} T={t:>2}: " + "  ".join(f"{n} {v:,.0f}" for n, v in med.items())
+                  + ratio)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "post.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
