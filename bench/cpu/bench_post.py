@@ -14,8 +14,10 @@ over `--rounds` rounds in fresh processes, order alternating, and prints the rat
 `--modes` adds per-post medians (`--single` posts, each timed alone) under the conditions a
 real step adds around the post, one at a time: `warm` (back to back, as above), `spinner`
 (a forked process spins on the block's `posted` word, as an offload side with
-`offload_spin_us` does), `cold` (`--evict-mib` of memory written between posts, as a
-forward's working set does between two posts).
+`offload_spin_us` does), `cold` (`--evict-mib` of memory read between posts, as a
+forward's working set evicts the post's code and data), `dirty` (the same memory written:
+the post's misses then also wait for the write-back of dirty lines, as beside a process
+that streams writes).
 
     python bench/cpu/bench_post.py --against HEAD~1 --out bench/cpu/results/<run>
 
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = ((1, 1), (7, 1), (14, 1), (7, 64), (14, 64))  # (slots P, tokens T)
 
 
-MODES = ("warm", "spinner", "cold")
+MODES = ("warm", "spinner", "cold", "dirty")
 
 
 def measure(number: int, repeat: int, modes: tuple[str, ...] = (), single: int = 300,
@@ -102,7 +104,8 @@ def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], s
         for mode in modes:
             spinner = _fork_spinner(block) if mode == "spinner" else None
             try:
-                between = (lambda: np.add(evict, 1, out=evict)) if mode == "cold" else int
+                between = {"cold": evict.sum, "dirty": lambda: np.add(evict, 1, out=evict)
+                           }.get(mode, int)
                 took = [timed_post(between) for _ in range(single)]
             finally:
                 if spinner is not None:
