@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError
@@ -58,6 +58,19 @@ class PleConfig(Frozen):
     )
     deadlines: PleDeadlines = PleDeadlines()
     supervisor: SupervisorConfig = SupervisorConfig()
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _parts_as_written(cls, v: Any) -> Any:
+        """One message for a bad `parts` (not one per branch of the union), and no bool or
+        numeric string taken for a count: a part count is a layout, not a guess."""
+        if v == "auto" or (type(v) is int and 1 <= v <= 128):
+            return v
+        if (isinstance(v, (list, tuple)) and 1 <= len(v) <= 128
+                and all(type(x) is int and x >= 1 for x in v)):
+            return tuple(v)
+        raise ValueError(f"ple.parts={v!r}: 'auto', a count of parts 1..128, or a list of 1..128 "
+                         "layer counts (each >= 1), one per part in layer order")
 
     @model_validator(mode="after")
     def _consistent(self) -> PleConfig:

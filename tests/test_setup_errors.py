@@ -77,6 +77,8 @@ def test_parts_split_the_row_as_configured(tmp_path, layers, parts, split):
     ("Gemma4ForCausalLM", 42, [1, 2, 4], r"ple.parts=\[1, 2, 4\]: .* add up to 42"),
     ("Gemma4ForCausalLM", 8, 9, r"ple.parts=9: .* so 1..8 parts"),
     ("Gemma3nForCausalLM", 8, [4, 4], r"ple.parts=\[4, 4\]: .* pulls the whole row before"),
+    ("Gemma3nForCausalLM", 8, 2, r"ple.parts=2: .* pulls the whole row before"),
+    ("Gemma3nForCausalLM", 42, [5], r"ple.parts=\[5\]: .* add up to 42"),
 ])
 def test_parts_that_do_not_fit_the_model_are_one_clear_error(tmp_path, arch, layers, parts,
                                                              match):
@@ -85,10 +87,18 @@ def test_parts_that_do_not_fit_the_model_are_one_clear_error(tmp_path, arch, lay
         geometry_from_config(_gemma(tmp_path, arch, layers), max_tokens=8, parts=ple.parts)
 
 
-@pytest.mark.parametrize("parts", [[], [0, 2], [2, -1], 0, "half"])
-def test_malformed_parts_are_rejected_by_the_config(parts):
-    with pytest.raises(ValidationError, match="parts"):
+@pytest.mark.parametrize("parts", [[], [0, 2], [2, -1], 0, 129, "half", "3", True, [True, 41],
+                                   [2.0, 2]])
+def test_malformed_parts_are_rejected_by_the_config_in_one_message(parts):
+    with pytest.raises(ValidationError, match="ple.parts=") as exc:
         PleConfig.model_validate({"parts": parts})
+    assert exc.value.error_count() == 1
+
+
+def test_one_part_as_a_list_is_the_whole_row_for_gemma3n(tmp_path):
+    geo = geometry_from_config(_gemma(tmp_path, "Gemma3nForCausalLM", 8), max_tokens=8,
+                               parts=PleConfig.model_validate({"parts": [8]}).parts)
+    assert geo.parts == () and geo.part_layers == (8,)
 
 
 @pytest.fixture()

@@ -264,7 +264,8 @@ def geometry_from_config(
         dtype=_engine_dtype(hf, engine_dtype),
     )
     if not ARCHITECTURES[arch].late_waits:
-        if parts not in (1, "auto") and not (isinstance(parts, tuple) and len(parts) == 1):
+        # the configured split must fit the row whatever the class; this one takes one part
+        if len(split_layers(num_layers, 1 if parts == "auto" else parts)) != 1:
             shown = list(parts) if isinstance(parts, tuple) else parts
             raise PleConfigError(f"ple.parts={shown}: {arch}'s offload class pulls the whole "
                                  "row before its first layer, so one part (1 or auto)")
