@@ -5,8 +5,9 @@ on a GPU every microsecond of it is a microsecond of the step (bench/cuda/README
 late pull's `host_post_us`). Measured on a real pair segment in shared memory with the real
 `WorkerEnd`; the offload side's part of each step (every slot's `published`, then the
 consumer's `released`) is written straight into its words, as tests/test_transaction_rules.py
-does, so nothing but the post is timed. Per slot count P and token count T: the best of
-`--repeat` runs of `--number` steps, less the same loop's cost of the offload side's writes.
+does. Per slot count P and token count T, `post_ns`: the best of `--repeat` runs of
+`--number` steps, less the same loop's cost of the offload side's writes (so the post plus
+`end_step`'s phase check and the loop's call); the `--modes` figures time the post alone.
 
 `--against REV` measures REV's code too (a temporary `git worktree`), the two interleaved
 over `--rounds` rounds in fresh processes, order alternating, and prints the ratio per case.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -89,7 +91,7 @@ def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], s
         out = {"post_ns": round((whole - side) * 1e9)}
         clock = time.perf_counter_ns
         bracket = statistics.median(-clock() + clock() for _ in range(1000))
-        evict = np.zeros(evict_mib << 17, np.int64)  # 8-byte words
+        evict = np.ones(evict_mib << 17, np.int64)  # written: real pages, not the zero page
 
         def timed_post(between: Callable[[], object]) -> float:
             between()
@@ -102,10 +104,11 @@ def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], s
             return took
 
         for mode in modes:
-            spinner = _fork_spinner(block) if mode == "spinner" else None
+            spinner = None
             try:
+                spinner = _fork_spinner(block) if mode == "spinner" else None
                 between = {"cold": evict.sum, "dirty": lambda: np.add(evict, 1, out=evict)
-                           }.get(mode, int)
+                           }.get(mode, lambda: None)
                 took = [timed_post(between) for _ in range(single)]
             finally:
                 if spinner is not None:
@@ -118,10 +121,17 @@ def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], s
 
 
 def _fork_spinner(block) -> int:
-    """A child that reads `posted` in a loop, as a spinning offload side does, until killed."""
+    """A child that reads `posted` in a loop, as a spinning offload side does, until killed
+    (by this process, or by the kernel when this process dies: PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os._exit(0)  # the parent died before the prctl
             while True:
                 _ = block.posted
                 time.perf_counter()
@@ -137,8 +147,10 @@ def run_tree(tree: Path, number: int, repeat: int, modes: tuple[str, ...], singl
             f"sys.path.insert(1, {str(ROOT / 'bench' / 'cpu')!r}); import bench_post; "
             f"print(json.dumps(bench_post.measure({number}, {repeat}, {modes!r}, {single}, "
             f"{evict_mib})))")
-    res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, cwd=tempfile.gettempdir())
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir())
+    if res.returncode:
+        sys.exit(f"bench_post: measuring {tree} failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -151,22 +163,21 @@ def main() -> None:
     ap.add_argument("--modes", default="", help=f"comma list of {', '.join(MODES)}: per-post "
                     "medians under each condition")
     ap.add_argument("--single", type=int, default=300, help="posts per --modes figure")
-    ap.add_argument("--evict-mib", type=int, default=64, help="memory written between posts "
-                    "(cold)")
+    ap.add_argument("--evict-mib", type=int, default=64, help="memory read (cold) or written "
+                    "(dirty) between posts")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     modes = tuple(m for m in a.modes.split(",") if m)
     if bad := set(modes) - set(MODES):
         ap.error(f"--modes: unknown {sorted(bad)}; known: {', '.join(MODES)}")
     trees = {"this": ROOT}
-    tmp = None
-    if a.against:
-        tmp = Path(tempfile.mkdtemp(prefix="bench-post-"))
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                        str(tmp / "tree"), a.against], check=True)
-        trees = {"this": ROOT, a.against: tmp / "tree"}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-post-")) if a.against else None
     rows: list[dict] = []
     try:
+        if a.against:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
+                            str(tmp / "tree"), a.against], check=True)
+            trees = {"this": ROOT, a.against: tmp / "tree"}
         for r in range(a.rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 for row in run_tree(trees[name], a.number, a.repeat, modes, a.single,
@@ -176,7 +187,9 @@ def main() -> None:
     finally:
         if tmp is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(tmp / "tree")], check=False)
+                            str(tmp / "tree")], check=False, capture_output=True)
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
     for key in ("post_ns", *(f"{m}_median_ns" for m in modes)):
         print(f"\nmedian {key} (over rounds)")
         for p, t in CASES:

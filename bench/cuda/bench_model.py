@@ -597,13 +597,14 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
 
 def summarize(path: Path) -> None:
     """The tables of a recorded run (`--summarize <run>/model.jsonl`)."""
-    print_tables([json.loads(x) for x in path.read_text().splitlines()
-                  if x.startswith("{") and json.loads(x).get("consumer") in ("model",
-                                                                             "synthetic")])
-    for r in map(json.loads, path.read_text().splitlines()):
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+    print_tables([r for r in lines if r.get("consumer") in ("model", "synthetic")])
+    for r in lines:
         if r.get("consumer") == "turnaround":
-            print(f"turnaround T={r['T']} {split_label(tuple(r.get('split') or [r['parts']]))}"
-                  f": flag up (us after the post) {r['flag_up_us']}")
+            # records before unequal splits carry only the part count (`split` absent)
+            label = split_label(tuple(r["split"])) if r.get("split") else f"P{r['parts']}"
+            print(f"turnaround T={r['T']} {label}: flag up (us after the post) "
+                  f"{r['flag_up_us']}")
 
 
 def main() -> None:
