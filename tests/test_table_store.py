@@ -7,6 +7,8 @@ import select
 import signal
 import time
 
+from ray_ple.offload.table_store import broker_name, fingerprint, locate_tensor
+from ray_ple.protocol.peers import name_holder
 from ray_ple.protocol.shm import SharedSegment, shmem_bytes
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, write_checkpoint
@@ -30,6 +32,16 @@ def _table_inode(pid: int) -> set[int]:
     maps = _table_maps(pid)
     assert {perms for _, perms in maps} == {"r--s"}, "every holder maps the table read-only"
     return {inode for inode, _ in maps}
+
+
+def _broker_pid(ckpt, timeout: float) -> int | None:
+    """The pid serving the table's broker name, once someone alive does (within `timeout`)."""
+    (source,) = spec_for(ckpt, max_tokens=8).sources
+    name = broker_name(fingerprint(locate_tensor(source), source.layer))
+    deadline = time.monotonic() + timeout
+    while (pid := name_holder(name)[0]) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pid
 
 
 def _settled_shmem(tol: int = 1 << 20, timeout: float = 15.0) -> int:
@@ -69,6 +81,7 @@ def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
 
     os.kill(a.pid, 9)  # the loader dies; the copy stays with b and is still served
     a.join(5)
+    assert _broker_pid(path, timeout=5.0) == b.pid, "a holder takes the broker name over"
     c, _, c_conn = start_offload(spec_for(path, max_tokens=8, rank=2))
     assert _table_inode(c.pid) == _table_inode(b.pid)
     assert shmem_bytes() - after_two < 0.1 * table

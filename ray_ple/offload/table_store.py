@@ -42,6 +42,11 @@ _HDR = struct.Struct("<QIIQQ32s")  # magic, version, ready, rows, row_bytes, fin
 _MAGIC = 0x31424154454C5052  # "RPLETAB1"
 _CHUNK = 64 << 20
 _REFUSED_S = 0.5  # a holder of ours listens right after it binds: longer refused is not ours
+# How often a holder that does not serve tries to take the name over. A newcomer that binds
+# the name between a server's end and a holder's take-over loads a second copy (the node
+# then holds two until one side's holders are gone), so this window is kept short; a bind
+# attempt is one socket() + bind() + close().
+_TAKEOVER_S = 0.05
 
 
 class TensorLocation(BaseModel):
@@ -150,7 +155,7 @@ class NodeTable:
             if self._listener is None:
                 self._listener = _try_bind(self._name)
                 if self._listener is None:
-                    self._closed.wait(0.5)
+                    self._closed.wait(_TAKEOVER_S)
                     continue
                 self._listener.listen(64)
             try:
