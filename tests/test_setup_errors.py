@@ -114,12 +114,13 @@ def live_pair(tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda h: h["slots"][0].update(layer_name="model.other_table"), "slot names"),
-    (lambda h: h.update(layout_version=1), "layout version 1, this side speaks 2"),
+    (lambda h: h.update(layout_version=2), "layout version 2, this side speaks 3"),
     (lambda h: h["slots"][0].update(stamp_offset=h["slots"][0]["stamp_offset"] + 64),
      "stamp_offset"),
     (lambda h: h["slots"][0].update(col_offset=8), "col_offset"),
     (lambda h: h["slots"][0].update(num_layers=1), "num_layers"),
     (lambda h: h["control"].update(sleeping_offset=0), "control offsets"),
+    (lambda h: h["control"].update(announced_offset=640), "control offsets"),
     (lambda h: h["slots"][0].update(row_bytes=h["slots"][0]["row_bytes"] * 2), "row_bytes"),
     (lambda h: h["slots"][0].update(dtype="float16"), "dtype"),
     (lambda h: h["slots"][0].update(slot_offset=h["slots"][0]["slot_offset"] + 4096),

@@ -53,7 +53,7 @@ class Pair:
         self.block = ControlBlock(self.segment, self.layout)
         self.block.write_header(self.segment.token, "0" * 64)
         b = self.block
-        b.posted = b.released = step
+        b.posted = b.released = b.announced = step
         b.set_published(0, step)
         now = time.monotonic_ns()
         b.beat(Side.WORKER, now)
@@ -124,7 +124,7 @@ def flag_never_reset(p: Pair) -> None:
     end = p.offload()
     p.block.flags[0][0] = 1  # the previous step's flag is still up
     p.block.token_count = 1
-    p.block.posted = 1
+    p.block.announced = p.block.posted = 1
     end.publish(end.next_step(), _no_gather)
 
 
@@ -136,12 +136,26 @@ def never_published(p: Pair) -> None:
 
 def never_released(p: Pair) -> None:
     end = p.offload()
-    p.block.posted = 1
+    p.block.announced = p.block.posted = 1
     end.publish(end.next_step(), _no_gather)
     for _ in range(100):
         p.block.beat(Side.WORKER, time.monotonic_ns())
         end.watch(time.monotonic_ns())
         time.sleep(0.01)
+
+
+def unannounced_post(p: Pair) -> None:
+    end = p.offload()
+    p.block.posted = 1  # a post nobody announced (a graph replayed outside any step)
+    end.next_step()
+
+
+def announced_never_posted(p: Pair) -> None:
+    end = p.offload()
+    w = p.worker()
+    w.announce(1)  # the stream is to post step 1, and never does
+    assert end.next_step() is None
+    end.await_post()
 
 
 def begin_twice(p: Pair) -> None:
@@ -159,7 +173,7 @@ def worker_silent(p: Pair) -> None:
 def too_many_tokens(p: Pair) -> None:
     end = p.offload()
     p.block.token_count = MAX_TOKENS + 1
-    p.block.posted = 1
+    p.block.announced = p.block.posted = 1
     end.publish(end.next_step(), _no_gather)
 
 
@@ -219,6 +233,8 @@ SIDE_ROWS = [
     (Reason.OFFLOAD_WAIT, "offload", flag_never_reset, 0, Reason.OFFLOAD_WAIT, 0),
     (Reason.CONSUME_WAIT, "consumer", never_published, 0, Reason.CONSUME_WAIT, 0),
     (Reason.STEP_DEADLINE, "offload", never_released, 0, Reason.STEP_DEADLINE, 1),
+    (Reason.INVARIANT, "offload", unannounced_post, 0, Reason.INVARIANT, 0),
+    (Reason.STEP_DEADLINE, "offload", announced_never_posted, 0, Reason.STEP_DEADLINE, 0),
     (Reason.ABANDONED, "worker", begin_twice, 0, Reason.ABANDONED, 0),
     (Reason.HEARTBEAT, "offload", worker_silent, 0, Reason.HEARTBEAT, 0),
     (Reason.TOKEN_COUNT, "offload", too_many_tokens, 0, Reason.TOKEN_COUNT, 0),
@@ -329,5 +345,6 @@ def test_supervisor_liveness_and_startup():
 def test_every_reason_has_a_row():
     reached = {r[0] for r in SIDE_ROWS} | {
         Reason.INVARIANT, Reason.COUNTER_BACK, Reason.PUBLISH_DEADLINE, Reason.SEGMENT_LOST,
-        Reason.PEER_STOPPED, Reason.PEER_DEAD, Reason.STARTUP_DEADLINE}
+        Reason.PEER_STOPPED, Reason.PEER_DEAD, Reason.STARTUP_DEADLINE,
+        Reason.STREAM_POST}  # the stream post's kernel: tests/gpu (a GPU writes it)
     assert set(Reason) - {Reason.NONE} == reached

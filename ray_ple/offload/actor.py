@@ -1,9 +1,10 @@
 """The offload actor: a CPU-only Ray actor serving one engine worker's transactions.
 
 It holds a read-only view of the node's table, creates its pair segment, hands the handle to
-the supervisor, and runs one serving thread: wait for the doorbell, serve each posted step
-exactly once (`OffloadEnd`), and fail closed on anything the rules forbid, on a worker whose
-heartbeat stopped, or on a published step that is not released in time.
+the supervisor, and runs one serving thread: wait for the doorbell (or spin while a step
+is announced and not yet posted), serve each posted step exactly once (`OffloadEnd`), and
+fail closed on anything the rules forbid, on a worker whose heartbeat stopped, or on a
+published step that is not released in time.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class OffloadActor:
                 if faults.ACTIVE:
                     gather = faults.before_gather(end.rank, b, b.ids[:b.token_count], gather)
                 end.publish(step, gather, cut)
+                continue
+            if b.announced != end.last:  # the GPU stream posts it: spin, never sleep
+                end.await_post()
                 continue
             if spin_s and wait_until(lambda last=end.last: b.posted != last, spin_s,
                                      spin_s=spin_s):

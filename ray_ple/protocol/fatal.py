@@ -40,6 +40,7 @@ class Reason(enum.IntEnum):
     GEOMETRY = 16
     PEER_STOPPED = 17
     PUBLISH_DEADLINE = 18
+    STREAM_POST = 19  # the GPU stream found the counters or state unfit to post its step
 
 
 class Failure(NamedTuple):

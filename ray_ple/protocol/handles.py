@@ -14,7 +14,13 @@ from pydantic import Field
 from ray_ple.base import Frozen
 from ray_ple.errors import PleHandleError
 from ray_ple.protocol.geometry import ITEMSIZE, DType, PleGeometry
-from ray_ple.protocol.layout import LAYOUT_VERSION, MAGIC, SLEEPING_OFF, PairLayout
+from ray_ple.protocol.layout import (
+    ANNOUNCED_OFF,
+    LAYOUT_VERSION,
+    MAGIC,
+    SLEEPING_OFF,
+    PairLayout,
+)
 from ray_ple.protocol.shm import SegmentRef
 
 PAIRS_ENV = "RAY_PLE_PAIRS"  # the out-of-band payload: the engine's pair handles, as JSON
@@ -54,6 +60,7 @@ class ControlHandle(Frozen):
     ids_offset: int = Field(ge=0)
     max_tokens: int = Field(gt=0)
     sleeping_offset: int = Field(ge=0)
+    announced_offset: int = Field(ge=0)
 
 
 class PairHandle(Frozen):
@@ -127,7 +134,8 @@ def make_pair_handle(*, rank: int, segment: SegmentRef, node_id: str, actor_name
         rank=rank, segment=segment, node_id=node_id, actor_name=actor_name,
         layout_version=layout.version, table_fingerprint=fingerprint,
         control=ControlHandle(count_offset=layout.count_offset, ids_offset=layout.ids_offset,
-                              max_tokens=layout.max_tokens, sleeping_offset=SLEEPING_OFF),
+                              max_tokens=layout.max_tokens, sleeping_offset=SLEEPING_OFF,
+                              announced_offset=ANNOUNCED_OFF),
         slots=slots,
     )
 
@@ -171,9 +179,9 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
                             ("stamp_offset", layout.stamp_offsets[i])):
             if getattr(slot, field) != want:
                 raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)}, layout says {want}")
-    if (handle.control.count_offset, handle.control.ids_offset,
-            handle.control.sleeping_offset) != (layout.count_offset, layout.ids_offset,
-                                                SLEEPING_OFF):
+    c = handle.control
+    if ((c.count_offset, c.ids_offset, c.sleeping_offset, c.announced_offset)
+            != (layout.count_offset, layout.ids_offset, SLEEPING_OFF, ANNOUNCED_OFF)):
         raise bad("control offsets differ from the layout")
     if handle.segment.size != layout.size:
         raise bad(f"segment size {handle.segment.size} != layout size {layout.size}")

@@ -2,10 +2,12 @@
 
     words    header: magic, layout version, slot count, max_tokens, token, fingerprint;
              then one 64-byte cache line each for state+reason, the two heartbeats,
-             `posted`, `released`, the worker's pid, two time stamps and `sleeping` (the
-             offload side is about to block on its doorbell); then per slot a 192-byte
-             block of three cache lines: `flag` (u32), `published` (u64) and `stamp` (u64:
-             the step whose rows the slot holds, written after the rows, before the flag).
+             `posted`, `released`, the worker's pid, two time stamps, `sleeping` (the
+             offload side is about to block on its doorbell) and `announced` (the step the
+             worker will post next, ahead of a post the GPU stream writes); then per slot
+             a 192-byte block of three cache lines: `flag` (u32), `published` (u64) and
+             `stamp` (u64: the step whose rows the slot holds, written after the rows,
+             before the flag).
              As many pages as the slots need (one page up to 16 slots).
     then     input slot, page aligned: token count T (u32), then `max_tokens` int32 ids
     then     per slot, page aligned: output slot of exactly max_tokens x row_bytes
@@ -29,11 +31,12 @@ from ray_ple.base import Frozen
 from ray_ple.errors import PleHandleError
 from ray_ple.protocol.shm import SharedSegment, page_align
 
-LAYOUT_VERSION = 2  # 2: slots per part, a step stamp per slot, the `sleeping` word
+LAYOUT_VERSION = 3  # 2: slots per part, a step stamp per slot, `sleeping`; 3: `announced`
 MAGIC = 0x31454C505941522E  # ".RAYPLE1"
 _HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_layers, max_tokens, token, fingerprint
 STATE_OFF, HB_WORKER_OFF, HB_OFFLOAD_OFF, POSTED_OFF, RELEASED_OFF = 128, 192, 256, 320, 384
 WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF, SLEEPING_OFF = 448, 512, 576, 640
+ANNOUNCED_OFF = 704
 SLOTS_OFF, SLOT_STRIDE = 1024, 192  # per slot: flag @ +0, published @ +64, stamp @ +128
 PUBLISHED_IN_SLOT, STAMP_IN_SLOT = 64, 128
 MAX_SLOTS = 128
@@ -128,6 +131,7 @@ class ControlBlock:
         self._post_ns = _u64(buf, POST_NS_OFF)
         self._publish_ns = _u64(buf, PUBLISH_NS_OFF)
         self._sleeping = _u32(buf, SLEEPING_OFF)
+        self._announced = _u64(buf, ANNOUNCED_OFF)
         self.flags = [_u32(buf, off) for off in layout.flag_offsets]
         self._published = [_u64(buf, off) for off in layout.published_offsets]
         # every slot's `published` as one strided view: the post reads them in one call
@@ -249,6 +253,15 @@ class ControlBlock:
     @sleeping.setter
     def sleeping(self, v: bool) -> None:
         self._sleeping[0] = int(v)
+
+    @property
+    def announced(self) -> int:
+        """The last step the worker said it posts (itself, or by its GPU stream)."""
+        return int(self._announced[0])
+
+    @announced.setter
+    def announced(self, v: int) -> None:
+        self._announced[0] = v
 
     @property
     def token_count(self) -> int:

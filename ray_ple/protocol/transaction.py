@@ -4,10 +4,9 @@ Timeline of step s (W = worker, O = offload actor, C = consumer: the GPU stream 
 engine thread on CPU; every counter lives in the pair's control block)::
 
     W  begin(ids):   phase IDLE?  state READY?  posted == published[*] == released == s-1?
-                     0 <= T <= max?  write T and ids, then  posted = s  (release order)
-    O  next_step():  posted == last + 1 (anything else is fatal), released == last
+                     0 <= T <= max?  write T and ids, announced = s, then  posted = s
     W  (doorbell):   ring only if the offload side said it sleeps (`sleeping`, read after
-                     a store-load fence that follows the store of `posted`)
+                     a store-load fence that follows the store of `announced`)
     O  next_step():  posted == last + 1 (anything else is fatal), released == last
     O  publish():    per slot, in order: wait flag == 0 (bounded; never overwrite), gather
                      the rows into the slot, stamp[slot] = s, published[slot] = s, flag = 1
@@ -15,21 +14,33 @@ engine thread on CPU; every counter lives in the pair's control block)::
     C  release(s):   flag = 0 for every slot, then released = s   (the only reset)
     W  end_step(s):  phase back to IDLE
 
+The stream post (CUDA): the worker only announces (`announce(T)`: phase, state, T, then
+`announced = s`, fence, ring if asleep) and enqueues a kernel before the forward; in stream
+order that kernel checks what `begin` checks (READY, posted == published[*] == released,
+announced > released), writes T and the ids from the model's own input tensor, fences and
+stores `posted = released + 1`, or stores its reason and traps. The host never waits for
+the GPU, so vLLM's async scheduling can stay on: the ids of step s+1 may exist only on the
+GPU when the host enqueues it. The offload side never sleeps while `announced` is ahead of
+the last step it served: it spins for the stream's `posted` (bounded by `step_s`).
+
 A slot is one part of a table's row (consecutive model layers, `PleGeometry.slots`): the
 offload side raises each part's flag as soon as its rows are written, and the consumer waits
 for a part only where its first layer needs it (late waits). Still one post and one release
 per step; `published` of the step means every part is up.
 
 Before the offload side blocks on its doorbell it stores `sleeping = 1`, fences, and reads
-`posted` once more; the worker stores `posted`, fences, and reads `sleeping`. With a full
-fence on both sides (Dekker's pattern; TSO alone lets each load pass its own earlier store)
-one of them sees the other's store, so a post is never left unrung while its reader sleeps.
+`announced` once more; the worker stores `announced`, fences, and reads `sleeping`. With a
+full fence on both sides (Dekker's pattern; TSO alone lets each load pass its own earlier
+store) one of them sees the other's store, so a step is never left unrung while its reader
+sleeps. `announced` (not `posted`) is the word of the handshake because a stream post is
+stored by the GPU, which cannot fence against the host nor ring.
 
 Dummy, profiling and capture forwards never post: the worker runs them in phase LOCAL, the
 transport satisfies them locally and no counter moves. Invariants, checked by both sides and
 the supervisor with the functions below:
 
-    released <= published[layer] <= posted <= released + 1,  each counter grows by one.
+    released <= published[layer] <= posted <= released + 1,  posted <= announced,
+    each counter grows by one.
 
 The one safety rule: forwards are serialized per worker and any doubt (a counter that jumps
 or goes back, a deadline missed, a peer gone, a forward abandoned between begin and release)
@@ -153,7 +164,7 @@ def consumable(block: ControlBlock, layer: int, step: int, rows: int) -> Failure
                        f"step {step}", layer)
     if (f := stale_stamp(block, layer, step)) is not None:
         return f
-    return token_rows(block, layer, step, rows)
+    return token_rows(block.token_count, layer, step, rows)
 
 
 def stale_stamp(block: ControlBlock, slot: int, step: int) -> Failure | None:
@@ -165,11 +176,18 @@ def stale_stamp(block: ControlBlock, slot: int, step: int) -> Failure | None:
     return None
 
 
-def token_rows(block: ControlBlock, layer: int, step: int, rows: int) -> Failure | None:
+def token_rows(posted_rows: int, layer: int, step: int, rows: int) -> Failure | None:
     """A forward pulls exactly the T rows its step posted."""
-    if rows != block.token_count:
+    if rows != posted_rows:
         return Failure(Reason.GEOMETRY, f"forward pulls {rows} rows, step {step} posted "
-                       f"{block.token_count}", layer)
+                       f"{posted_rows}", layer)
+    return None
+
+
+def announced_behind(posted: int, announced: int) -> Failure | None:
+    """Every post was announced first (read `posted` before `announced`: stored after it)."""
+    if announced < posted:
+        return Failure(Reason.INVARIANT, f"posted={posted} ahead of announced={announced}")
     return None
 
 
@@ -248,6 +266,7 @@ class WorkerEnd:
         self.block, self.rank, self.deadlines = block, rank, deadlines
         self.layer_names = layer_names
         self.step = block.posted
+        self.rows = 0  # T of the step in flight, as this side posted or announced it
         self.phase = Phase.IDLE
 
     def fail(self, f: Failure, side: Side = Side.WORKER) -> NoReturn:
@@ -265,14 +284,11 @@ class WorkerEnd:
             self.fail(f)
         c = b.counters()
         s = self.step
-        if c.posted != s or c.released != s or c.published.count(s) != len(c.published):
+        if (c.posted != s or c.released != s or c.published.count(s) != len(c.published)
+                or b.announced != s):
             self.fail(Failure(Reason.INVARIANT, f"expected all counters at {s}, got "
-                              f"{tuple(c)}"))
-        t = int(ids.shape[0])
-        if not 0 <= t <= b.layout.max_tokens:
-            raise PleTokenCountError(
-                f"step of {t} tokens exceeds the {b.layout.max_tokens}-token slots of rank "
-                f"{self.rank} (raise max_num_batched_tokens and ple.max_tokens together)")
+                              f"{tuple(c)}, announced {b.announced}"))
+        t = self._token_count(int(ids.shape[0]))
         b.token_count = t
         if t == 1:
             b.ids[0] = ids[0]
@@ -281,13 +297,45 @@ class WorkerEnd:
         s += 1
         b.stamp_post(time.monotonic_ns())
         if cut is None or not cut(self.rank, s):
+            b.announced = s
             b.posted = s  # x86-64 TSO: the stores above are visible before this one
-        self.step, self.phase = s, Phase.STEP
+        self.step, self.rows, self.phase = s, t, Phase.STEP
         return s
 
+    def announce(self, t: int) -> int:
+        """Step s of `t` tokens, to be posted by the consumer's stream (the stream post).
+
+        The counters are the stream's to check, in stream order: with async scheduling the
+        previous step may still be running when this one is announced. Raises
+        `PleTokenCountError` before anything is stored.
+        """
+        b = self.block
+        if self.phase is not Phase.IDLE:
+            self.fail(Failure(Reason.ABANDONED, f"announce in phase {self.phase.value} (step "
+                              f"{self.step} announced and never released)"))
+        if (f := peer_state(b)) is not None:
+            self.fail(f)
+        s = self.step
+        if b.announced != s:
+            self.fail(Failure(Reason.INVARIANT, f"announced={b.announced}, this worker "
+                              f"announced {s}"))
+        t = self._token_count(t)
+        s += 1
+        b.announced = s
+        self.step, self.rows, self.phase = s, t, Phase.STEP
+        return s
+
+    def _token_count(self, t: int) -> int:
+        max_tokens = self.block.layout.max_tokens
+        if not 0 <= t <= max_tokens:
+            raise PleTokenCountError(
+                f"step of {t} tokens exceeds the {max_tokens}-token slots of rank "
+                f"{self.rank} (raise max_num_batched_tokens and ple.max_tokens together)")
+        return t
+
     def must_ring(self) -> bool:
-        """After `begin`: does the offload side sleep on its doorbell (ring it) or not?"""
-        store_load_fence()  # `posted` visible before `sleeping` is read (Dekker, see above)
+        """After `begin` or `announce`: does the offload side sleep on its doorbell?"""
+        store_load_fence()  # `announced` visible before `sleeping` is read (Dekker, above)
         return self.block.sleeping
 
     def end_step(self, step: int) -> None:
@@ -338,6 +386,21 @@ class OffloadEnd:
         if (f := self._unreleased.check(b.released < self.last, self.last, now_ns)) is not None:
             self.fail(f)
 
+    def await_post(self) -> None:
+        """A step is announced but not yet posted (the GPU stream posts it): spin for it,
+        never sleep; beyond `step_s` the stream is stuck and the replica ends."""
+        b, last = self.block, self.last
+
+        def stop() -> bool:  # beat while spinning; a failed pair is `watch`'s to report
+            b.beat(Side.OFFLOAD, time.monotonic_ns())
+            return not b.ready()
+
+        limit = self.deadlines.step_s
+        if not wait_until(lambda: b.posted != last, limit, spin_s=limit, abort=stop) \
+                and b.ready():
+            self.fail(Failure(Reason.STEP_DEADLINE, f"step {b.announced} announced, not "
+                              f"posted within {limit:g}s"))
+
     def next_step(self) -> int | None:
         """The step to serve now, None if nothing new; fatal on any other counter value."""
         b = self.block
@@ -345,6 +408,8 @@ class OffloadEnd:
         if posted == self.last:
             return None
         if (f := next_posted(self.last, posted, b.released)) is not None:
+            self.fail(f)
+        if (f := announced_behind(posted, b.announced)) is not None:
             self.fail(f)
         return posted
 
@@ -375,12 +440,13 @@ class OffloadEnd:
         self.last = step
 
     def sleep(self, wait: Callable[[], object]) -> None:
-        """Block in `wait` (the doorbell) unless a post arrived: `sleeping` is up meanwhile."""
+        """Block in `wait` (the doorbell) unless a step was announced: `sleeping` is up
+        meanwhile."""
         b = self.block
         b.sleeping = True
-        store_load_fence()  # `sleeping` visible before `posted` is read (Dekker, see above)
+        store_load_fence()  # `sleeping` visible before `announced` is read (Dekker, above)
         try:
-            if b.posted == self.last:
+            if b.announced == self.last:
                 wait()
         finally:
             b.sleeping = False

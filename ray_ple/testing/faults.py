@@ -123,6 +123,7 @@ def post_cut(block: ControlBlock) -> Cut | None:
         if hit("worker.lost_post", rank) is not None:
             return True  # ids written, `posted` never stored
         if hit("worker.skip_post", rank) is not None:
+            block.announced = step + 1
             block.posted = step + 1
             return True
         return False
