@@ -34,6 +34,13 @@ class PleConfig(Frozen):
     transport: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda where the engine has GPUs, else cpu"
     )
+    post: Literal["auto", "host", "stream"] = Field(
+        "auto", description="who posts a step: the host before the forward (needs the ids on "
+        "the host, so vLLM's async scheduling is turned off on CUDA), or the GPU stream itself "
+        "(a kernel before the forward reads the model's input ids; the host never waits and "
+        "async scheduling stays as configured; the offload actor spins from the announcement "
+        "to the post). auto: stream with the cuda transport, host with cpu"
+    )
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
     parts: (Annotated[int, Field(ge=1, le=128)] | Literal["auto"]

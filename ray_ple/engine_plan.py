@@ -94,8 +94,12 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
                                     engine_dtype=kw.get("dtype"), parts=ple.parts)
+    post = ple.post if ple.post != "auto" else ("stream" if transport == "cuda" else "host")
+    if post == "stream" and transport != "cuda":
+        raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
+                             f"the step), not {transport!r}")
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
-                                 deadlines=ple.deadlines,
+                                 post=post, deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)
     if kw.get("worker_cls") not in (None, "auto", WORKER_CLS[transport]):
         raise PleConfigError(f"worker_cls is set by ray-ple ({WORKER_CLS[transport]})")
@@ -107,7 +111,8 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
                                **settings.additional_config()}
     env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     if transport == "cuda":
-        kw["async_scheduling"] = False
+        if post == "host":  # the host posts the ids it prepared: it must have them first
+            kw["async_scheduling"] = False
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(
             int(kw.get("tensor_parallel_size", 1))))
     return OffloadPlan(checkpoint_dir=checkpoint_dir, geometry=geometry, settings=settings,

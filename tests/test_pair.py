@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ray_ple.protocol.fatal import EXIT_CODE, Reason
+from ray_ple.protocol.geometry import PleGeometry
 from ray_ple.protocol.handles import PairHandle
 from ray_ple.protocol.layout import ControlBlock, State
 from ray_ple.protocol.shm import SharedSegment
@@ -125,6 +126,73 @@ def test_parts_are_published_and_pulled_each_with_its_columns(ckpt, tmp_path):
     status, bad, counters = parent.recv()
     assert (status, bad) == ("done", 0)
     assert counters == (300, (300, 300, 300), 300)
+    parent.send("stop")
+    off_conn.send("stop")
+    wproc.join(10)
+    off.join(10)
+    assert ple_shm_entries() == []
+
+
+def _announcing_worker(handle: dict, geometry: dict, ids: list[int], table_path: str,
+                       conn) -> None:  # noqa: ANN001
+    """A worker whose step is posted late by "the stream": here a store sequence of this
+    process in `ple_post`'s order (checks, ids, T, then `posted`), as a GPU writes it."""
+    import time
+
+    import torch
+
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.doorbell import Doorbell
+    from ray_ple.worker.pair import WorkerPair
+
+    expect = np.load(table_path)
+    geo = PleGeometry.model_validate(geometry)
+    pair = WorkerPair.attach(PairHandle.model_validate(handle), geo, rank=0, transport="cpu",
+                             deadlines=PleDeadlines(step_s=10.0), heartbeat_s=0.05)
+    w, b = pair.worker, pair.block
+    time.sleep(0.3)  # the offload side (no spin) is asleep on its doorbell by now
+    asleep = b.sleeping
+    s = w.announce(len(ids))
+    if w.must_ring():
+        Doorbell(handle["segment"]["token"]).ring()
+    time.sleep(0.2)  # the GPU is late: the woken side must spin for the post, not sleep
+    waiting = (b.sleeping, b.posted)
+    c = b.counters()
+    assert b.ready() and c.posted == c.released == s - 1 and b.announced == s
+    b.token_count = len(ids)
+    b.ids[:len(ids)] = np.asarray(ids, dtype=np.int32)
+    b.posted = c.released + 1
+    out = torch.empty((len(ids), geo.layers[0].row_elems), dtype=torch.bfloat16)
+    pair.pull(0, out)
+    pair.transport.release(s)
+    w.end_step(s)
+    got = out.view(torch.uint8).numpy().reshape(len(ids), geo.layers[0].row_bytes)
+    conn.send((asleep, waiting, int((got != expect[ids]).any(axis=1).sum()), b.counters()))
+    conn.recv()
+
+
+def test_an_announced_step_wakes_the_offload_side_which_spins_for_the_stream_post(ckpt,
+                                                                                  tmp_path):
+    """The stream post's half on the host: the announcement is the doorbell's word, so a
+    sleeping offload side is woken by it and waits, spinning, for a `posted` stored later
+    by someone that cannot ring (a GPU); then serves the step as any other."""
+    from tests.rig import CTX
+
+    path, table = ckpt
+    spec = spec_for(path, max_tokens=16)
+    off, handle, off_conn = start_offload(spec)
+    np.save(tmp_path / "expect.npy", table)
+    parent, child = CTX.Pipe()
+    wproc = CTX.Process(target=_announcing_worker, args=(
+        handle, spec.geometry.model_dump(), [5, 17, 499], str(tmp_path / "expect.npy"), child),
+        daemon=True)
+    wproc.start()
+    asleep, waiting, bad, counters = parent.recv()
+    assert asleep, "the offload side should have been asleep before the announcement"
+    assert waiting == (False, 0), "woken and spinning (not asleep), the step not yet posted"
+    assert bad == 0
+    assert counters == (1, (1,), 1)
+    assert off.is_alive() and _peek(handle).state is State.READY
     parent.send("stop")
     off_conn.send("stop")
     wproc.join(10)

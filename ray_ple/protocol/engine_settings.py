@@ -20,6 +20,7 @@ KEY = "ray_ple"
 class PleEngineSettings(Frozen):
     geometry: PleGeometry
     transport: Literal["cpu", "cuda"]
+    post: Literal["host", "stream"] = "host"
     deadlines: PleDeadlines = PleDeadlines()
     heartbeat_interval_s: float = 0.25
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ray_ple.config import PleDeadlines
-from ray_ple.errors import PleHandleError
+from ray_ple.errors import PleConfigError, PleHandleError
 from ray_ple.log import log_event
 from ray_ple.protocol.doorbell import Doorbell
 from ray_ple.protocol.fatal import Failure, Reason
@@ -30,17 +30,23 @@ from ray_ple.protocol.layout import ControlBlock, Side, State
 from ray_ple.protocol.shm import SharedSegment
 from ray_ple.protocol.transaction import Phase, WorkerEnd, stale_heartbeat
 from ray_ple.testing import faults, timing
-from ray_ple.worker.transport import make_transport
+from ray_ple.worker.transport import STREAM_POSTING, make_transport
 
 
 class WorkerPair:
     """One worker's attachment to its offload actor's segment."""
 
     def __init__(self, handle: PairHandle, segment: SharedSegment, block: ControlBlock,
-                 transport_name: str, deadlines: PleDeadlines, heartbeat_s: float) -> None:
+                 transport_name: str, deadlines: PleDeadlines, heartbeat_s: float,
+                 post: str = "host") -> None:
         self.handle, self.segment, self.block = handle, segment, block
         self.worker = WorkerEnd(block, handle.rank, deadlines, handle.layer_names)
+        if post not in ("host", "stream") or (post == "stream"
+                                               and transport_name not in STREAM_POSTING):
+            raise PleConfigError(f"ple.post {post!r} with transport {transport_name!r}: 'host', "
+                                 f"or 'stream' with a transport of {STREAM_POSTING}")
         self.transport = make_transport(transport_name, self.worker, handle.slots[0].dtype)
+        self._stream_post = post == "stream"
         self._bell = Doorbell(handle.segment.token)
         self._post_cut = faults.post_cut(block)
         self._stop = threading.Event()
@@ -49,7 +55,7 @@ class WorkerPair:
 
     @classmethod
     def attach(cls, handle: PairHandle, expected: PleGeometry, *, rank: int, transport: str,
-               deadlines: PleDeadlines, heartbeat_s: float) -> WorkerPair:
+               deadlines: PleDeadlines, heartbeat_s: float, post: str = "host") -> WorkerPair:
         """Validate every field, map, check the segment header, then declare READY."""
         layout = validate_pair_handle(handle, expected, rank=rank)
         segment = SharedSegment.attach(handle.segment)
@@ -58,7 +64,7 @@ class WorkerPair:
             validate_segment_header(block.read_header(), handle)
             if block.state is not State.INIT:
                 raise PleHandleError(f"pair of rank {rank} is {block.state.name}, not INIT")
-            pair = cls(handle, segment, block, transport, deadlines, heartbeat_s)
+            pair = cls(handle, segment, block, transport, deadlines, heartbeat_s, post)
         except BaseException:
             segment.close()
             raise
@@ -67,7 +73,8 @@ class WorkerPair:
         block.set_state(State.READY)
         pair._beater.start()
         log_event("pair_attached", rank=rank, layers=list(handle.layer_names),
-                  transport=transport, max_tokens=layout.max_tokens, segment_bytes=layout.size)
+                  transport=transport, post=post, max_tokens=layout.max_tokens,
+                  segment_bytes=layout.size)
         return pair
 
     def _beat(self) -> None:
@@ -78,19 +85,49 @@ class WorkerPair:
             if (f := stale_heartbeat(self.block, Side.OFFLOAD, now, self.worker.deadlines)):
                 self.worker.fail(f)
 
+    @property
+    def stream_posts(self) -> bool:
+        """Does this pair post from the consumer's stream (`stream_step`)?"""
+        return self._stream_post
+
     @contextmanager
     def step(self, host_ids: np.ndarray) -> Iterator[int]:
-        """One transaction around one real forward; any exception inside is fatal."""
+        """One transaction around one real forward, posted from the host's copy of the ids;
+        any exception inside is fatal."""
         w = self.worker
         s = w.begin(host_ids, self._post_cut)
         if timing.ENABLED:
             timing.record("post", time.monotonic_ns())
+        with self._transaction(s):
+            yield s
+
+    @contextmanager
+    def stream_step(self, ids) -> Iterator[int]:  # noqa: ANN001 - torch.Tensor
+        """One transaction whose post the consumer's stream writes, from `ids` (the
+        forward's own input tensor, on the device): the host announces and enqueues, and
+        never waits for the GPU nor reads the ids. Bad ids raise before anything is stored."""
+        self.transport.check_stream_ids(ids)
+        w = self.worker
+        s = w.announce(int(ids.shape[0]))
+        try:
+            self.transport.stream_post(ids)
+        except BaseException as exc:  # noqa: BLE001 - announced, never posted: fail closed
+            w.abandon(f"stream post of step {s} raised {type(exc).__name__}: {exc}")
+        if timing.ENABLED:
+            timing.record("post", time.monotonic_ns())
+        with self._transaction(s):
+            yield s
+
+    @contextmanager
+    def _transaction(self, s: int) -> Iterator[None]:
+        """After the post (or the announcement): ring if asleep, run the forward, release."""
+        w = self.worker
         if w.must_ring():  # only a sleeping offload side needs the syscall
             self._bell.ring()
         try:
             if faults.ACTIVE and faults.hit("worker.raise_after_post", w.rank):
                 raise RuntimeError("injected fault: exception after post")
-            yield s
+            yield
         except BaseException as exc:  # noqa: BLE001 - abandoned forward: fail closed
             w.abandon(f"forward of step {s} raised {type(exc).__name__}: {exc}")
         if faults.ACTIVE and (f := faults.hit("worker.stall_before_release", w.rank)):
@@ -162,7 +199,7 @@ def pull(layer_name: str, out) -> None:  # noqa: ANN001 - torch.Tensor
 
 
 def attach_process(expected: PleGeometry, *, rank: int, transport: str,
-                   deadlines: PleDeadlines, heartbeat_s: float) -> WorkerPair:
+                   deadlines: PleDeadlines, heartbeat_s: float, post: str = "host") -> WorkerPair:
     """Attach this process's pair once (idempotent), and register its layers by name."""
     global _PAIR
     with _LOCK:
@@ -174,7 +211,7 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
         if rank not in handles:
             raise PleHandleError(f"no pair handle for worker rank {rank} (have {sorted(handles)})")
         pair = WorkerPair.attach(handles[rank], expected, rank=rank, transport=transport,
-                                 deadlines=deadlines, heartbeat_s=heartbeat_s)
+                                 deadlines=deadlines, heartbeat_s=heartbeat_s, post=post)
         _LAYERS.clear()
         _LAYERS.update({name: i for i, name in enumerate(pair.handle.layer_names)})
         _PAIR = pair

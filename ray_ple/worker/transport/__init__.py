@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from ray_ple.worker.transport.base import Transport
 
 TRANSPORTS = ("cpu", "cuda")
+STREAM_POSTING = ("cuda",)  # transports whose consumer is a stream that can post a step
 
 
 def make_transport(name: str, worker: WorkerEnd, dtype: str) -> Transport:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
+from ray_ple.errors import PleConfigError
 from ray_ple.protocol.fatal import Failure, Reason
 from ray_ple.protocol.layout import Side
 
@@ -56,6 +57,14 @@ class Transport(ABC):
 
     def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027
         """`pull_wait` in a local forward."""
+
+    def check_stream_ids(self, ids: torch.Tensor) -> None:
+        """Refuse, before anything is announced, ids a stream post could not read."""
+        raise PleConfigError(f"transport {self.name!r} cannot post a step from a stream")
+
+    def stream_post(self, ids: torch.Tensor) -> None:
+        """Post the announced step in the consumer's order, from the forward's own ids."""
+        raise PleConfigError(f"transport {self.name!r} cannot post a step from a stream")
 
     @abstractmethod
     def release(self, step: int) -> None:

@@ -12,6 +12,10 @@ Per forward, all in stream order on the current torch stream, all capturable::
                                                          steps, cuMemcpyHtoDAsync above)
     release(step)      ple_release: flag[*] = 0, system fence, released += 1
 
+With the stream post (`ple.post: stream`), the step itself is posted in stream order too:
+`stream_post(ids)` enqueues `ple_post` before the forward (counter checks, the ids from the
+model's own input tensor, then `posted`), so the host never waits and never reads the ids.
+
 The late pull splits the same into two ops, so that a slot (one part of a table's row: a
 group of consecutive model layers) arrives while the earlier layers run::
 
@@ -62,7 +66,16 @@ from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError, PleEnvironmentError
 from ray_ple.log import log_event
 from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.layout import LAYER_STRIDE, RELEASED_OFF, STATE_OFF, Side, State
+from ray_ple.protocol.layout import (
+    ANNOUNCED_OFF,
+    LAYER_STRIDE,
+    POSTED_OFF,
+    RELEASED_OFF,
+    SLOT_STRIDE,
+    STATE_OFF,
+    Side,
+    State,
+)
 from ray_ple.protocol.transaction import Phase, token_rows
 from ray_ple.worker.transport.base import Transport
 from ray_ple.worker.transport.cuda_host import (
@@ -73,7 +86,7 @@ from ray_ple.worker.transport.cuda_host import (
     ensure_context,
     register_host,
 )
-from ray_ple.worker.transport.cuda_kernels import Kernels, StampCheck
+from ray_ple.worker.transport.cuda_kernels import Kernels, PostWords, StampCheck
 
 if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
@@ -171,6 +184,12 @@ class CudaTransport(Transport):
         stamps = getattr(layout, "stamp_offsets", None) or layout.published_offsets
         self._stamp = [StampCheck(base, off, RELEASED_OFF, STATE_OFF, int(State.FAILED),
                                   int(STAMP_REASON)) for off in stamps]
+        self._post_words = PostWords(
+            state_off=STATE_OFF, ready=int(State.READY), failed=int(State.FAILED),
+            reason=int(Reason.STREAM_POST), posted_off=POSTED_OFF, released_off=RELEASED_OFF,
+            announced_off=ANNOUNCED_OFF, published0_off=layout.published_offsets[0],
+            slot_stride=SLOT_STRIDE, n_slots=self._nflags, count_off=layout.count_offset,
+            ids_off=layout.ids_offset)
         self._probe()
         # the late pull: one side stream (high priority: a copy waits for no GEMM block),
         # one fork event, one completion event per slot; all for the life of the process
@@ -290,6 +309,25 @@ class CudaTransport(Transport):
         return nbytes
 
     # the transaction ----------------------------------------------------------------------
+    def check_stream_ids(self, ids: torch.Tensor) -> None:
+        """The ids a stream post reads: the model's int32 input tensor on this device."""
+        if (ids.device != torch.device("cuda", self.device) or ids.dtype != torch.int32
+                or ids.dim() != 1 or not ids.is_contiguous()):
+            raise PleConfigError(f"a stream post reads a contiguous 1-D int32 tensor on cuda:"
+                                 f"{self.device}, got {tuple(ids.shape)} {ids.dtype} on "
+                                 f"{ids.device}")
+
+    def stream_post(self, ids: torch.Tensor) -> None:
+        """Enqueue `ple_post` of the announced step on the current stream."""
+        w = self.worker
+        if torch.cuda.is_current_stream_capturing():
+            self._fail(Reason.STATE, 0, f"step {w.step} posted inside a graph capture")
+        if ids.shape[0] != w.rows:
+            self._fail(Reason.GEOMETRY, 0, f"stream post of {ids.shape[0]} ids, step {w.step} "
+                       f"announced {w.rows}")
+        self.kernels.launch_post(self._base_dev, ids.data_ptr(), w.rows, self._post_words,
+                                 self._stream())
+
     def pull(self, layer: int, out: torch.Tensor) -> None:
         nbytes = self._check_pull(layer, out)
         self._enqueue(layer, out, nbytes, self._stream())
@@ -302,7 +340,7 @@ class CudaTransport(Transport):
             self._fail(Reason.STATE, layer, f"step {w.step} is being captured into a graph; "
                        "captures must run as local forwards")
         nbytes = self._geometry(layer, out)
-        if (f := token_rows(self.block, layer, w.step, out.shape[0])) is not None:
+        if (f := token_rows(w.rows, layer, w.step, out.shape[0])) is not None:
             w.fail(f, Side.CONSUMER)
         rec = self._replayed.get(w.step)
         if self._pulled[layer] == w.step or (rec is not None and layer in rec.layers()):
@@ -409,10 +447,10 @@ class CudaTransport(Transport):
         w = self.worker
         if w.phase is not Phase.STEP:
             self._fail(Reason.NO_TRANSACTION, 0, "graph replayed outside a posted step")
-        if record.rows != self.block.token_count:
+        if record.rows != w.rows:
             self._fail(Reason.GEOMETRY, record.copies[0].layer if record.copies else 0,
                        f"graph copies {record.rows} rows per layer, step {w.step} posted "
-                       f"{self.block.token_count}")
+                       f"{w.rows}")
         if w.step in self._replayed or any(p == w.step for p in self._pulled):
             self._fail(Reason.INVARIANT, 0, f"rows of step {w.step} consumed twice")
         self._replayed = {w.step: record}
@@ -429,7 +467,7 @@ class CudaTransport(Transport):
         if rec is None and not eager:
             # a graph replayed by an engine that does not declare it (vLLM): the capture of
             # this token count must exist and copy exactly these rows for every layer
-            t = self.block.token_count
+            t = self.worker.rows
             known = [r for r in self.captures.get(t, []) if not r.release]
             if not known:
                 self._fail(Reason.GEOMETRY, 0,

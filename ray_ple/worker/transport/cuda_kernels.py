@@ -15,6 +15,13 @@
   so nothing after the copy (the layers, the sampled tokens) runs or leaves the GPU, and the
   host words name the cause for both sides and the supervisor.
 
+- `ple_post` (the stream post): one block checks what the host's `begin` checks (READY, no
+  reason, `posted == released == published[*]`, `released < announced <= released + 2`),
+  copies T int32 ids from the model's input tensor into the mapped input slot, writes T,
+  fences at system scope and stores `posted = released + 1`; on a mismatch it stores
+  STREAM_POST and FAILED and traps, as the stamp check does. Reading `released` (which the
+  stream advances) rather than a step number keeps it right when captured and replayed.
+
 All take raw device pointers as launch parameters; they are launched only by
 `CudaTransport`, which resolves those pointers in this process (never a compile cache).
 NVRTC ships with every CUDA build of torch; a missing NVRTC is one `PleEnvironmentError`.
@@ -45,6 +52,22 @@ __device__ __forceinline__ u64 load_cv64(const unsigned char* p) {
     return v;
 }
 
+__device__ __forceinline__ u32 load_cv32(const unsigned char* p) {
+    u32 v;
+    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void fail_and_trap(const unsigned char* base, u32 state_off,
+                                              u32 failed, u32 reason) {
+    volatile u32* state = (volatile u32*)(base + state_off);
+    if (state[1] == 0u) state[1] = reason;  // the first reason stays
+    __threadfence_system();
+    state[0] = failed;
+    __threadfence_system();
+    __trap();
+}
+
 // stamp_off == 0: no check (the probe, and copies of rows that carry no stamp)
 __device__ __forceinline__ void stamp_check(const unsigned char* base, u32 stamp_off,
                                             u32 released_off, u32 state_off, u32 failed,
@@ -52,14 +75,7 @@ __device__ __forceinline__ void stamp_check(const unsigned char* base, u32 stamp
     if (stamp_off == 0u) return;
     const u64 stamp = load_cv64(base + stamp_off);
     const u64 released = load_cv64(base + released_off);
-    if (stamp != released + 1ull) {
-        volatile u32* state = (volatile u32*)(base + state_off);
-        if (state[1] == 0u) state[1] = reason;  // the first reason stays
-        __threadfence_system();
-        state[0] = failed;
-        __threadfence_system();
-        __trap();
-    }
+    if (stamp != released + 1ull) fail_and_trap(base, state_off, failed, reason);
 }
 
 extern "C" __global__ void ple_check_stamp(const unsigned char* base, u32 stamp_off,
@@ -91,6 +107,40 @@ extern "C" __global__ void ple_copy_rows(const uint4* __restrict__ src, uint4* _
     }
     for (; i < n16; i += stride) {
         dst[i] = load_cv(src + i);
+    }
+}
+
+struct PostWords {  // byte offsets into the control block, and the words' values
+    u32 state_off, ready, failed, reason;
+    u32 posted_off, released_off, announced_off, published0_off, slot_stride, n_slots;
+    u32 count_off, ids_off;
+};
+
+extern "C" __global__ void ple_post(unsigned char* base, const int* __restrict__ ids, u32 t,
+                                    PostWords w) {
+    if (threadIdx.x == 0) {
+        const u64 released = load_cv64(base + w.released_off);
+        const u64 posted = load_cv64(base + w.posted_off);
+        const u64 announced = load_cv64(base + w.announced_off);
+        bool ok = load_cv32(base + w.state_off) == w.ready
+                  && load_cv32(base + w.state_off + 4) == 0u
+                  && posted == released && announced > released
+                  && announced <= released + 2ull;
+        for (u32 i = 0; ok && i < w.n_slots; ++i) {
+            ok = load_cv64(base + w.published0_off + i * w.slot_stride) == released;
+        }
+        if (!ok) fail_and_trap(base, w.state_off, w.failed, w.reason);
+    }
+    __syncthreads();  // no id is written for a step that may not be posted
+    volatile int* slot = (volatile int*)(base + w.ids_off);
+    for (u32 i = threadIdx.x; i < t; i += blockDim.x) slot[i] = ids[i];
+    if (threadIdx.x == 0) *(volatile u32*)(base + w.count_off) = t;
+    __threadfence_system();  // each thread's ids visible system-wide before the barrier
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const u64 released = load_cv64(base + w.released_off);
+        *(volatile u64*)(base + w.posted_off) = released + 1ull;
     }
 }
 
@@ -165,6 +215,14 @@ class StampCheck:
 
 NO_CHECK = StampCheck(0, 0, 0, 0, 0, 0)
 
+class PostWords(ctypes.Structure):
+    """`ple_post`'s word offsets and values (the kernel's `PostWords`, passed by value)."""
+
+    _fields_ = [(name, ctypes.c_uint32) for name in (
+        "state_off", "ready", "failed", "reason", "posted_off", "released_off",
+        "announced_off", "published0_off", "slot_stride", "n_slots", "count_off", "ids_off")]
+
+
 
 class _Params:
     """A reusable `void**` array of ctypes values for cuLaunchKernel (no per-call packing)."""
@@ -183,6 +241,7 @@ class Kernels:
     copy_rows: object
     release: object
     check_stamp: object
+    post: object
     sm_count: int
 
     @classmethod
@@ -197,8 +256,9 @@ class Kernels:
         cubin = compile_cubin(f"sm_{major}{minor}")
         module = check(d.cuModuleLoadData(cubin), "cuModuleLoadData(ray-ple kernels)")
         fn = {name: check(d.cuModuleGetFunction(module, name.encode()), f"get {name}")
-              for name in ("ple_copy_rows", "ple_release", "ple_check_stamp")}
-        return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_check_stamp"], sms)
+              for name in ("ple_copy_rows", "ple_release", "ple_check_stamp", "ple_post")}
+        return cls(module, fn["ple_copy_rows"], fn["ple_release"], fn["ple_check_stamp"],
+                   fn["ple_post"], sms)
 
     def launch_copy(self, src: int, dst: int, nbytes: int, stream: int,
                     stamp: StampCheck = NO_CHECK, max_blocks: int = 0) -> None:
@@ -224,3 +284,9 @@ class Kernels:
                     ctypes.c_uint32(flag_stride), ctypes.c_uint32(released_off))
         check(driver().cuLaunchKernel(self.release, 1, 1, 1, 1, 1, 1, 0, stream, p.address, 0),
               "cuLaunchKernel(ple_release)")
+
+    def launch_post(self, base: int, ids: int, t: int, words: PostWords, stream: int) -> None:
+        """Enqueue the stream post of `t` int32 ids at device address `ids` (one block)."""
+        p = _Params(ctypes.c_uint64(base), ctypes.c_uint64(ids), ctypes.c_uint32(t), words)
+        check(driver().cuLaunchKernel(self.post, 1, 1, 1, THREADS, 1, 1, 0, stream,
+                                      p.address, 0), "cuLaunchKernel(ple_post)")

@@ -25,9 +25,11 @@ def check_engine(vllm_config: VllmConfig, settings: PleEngineSettings) -> None:
         raise PleConfigError("PLE offload supports tensor parallelism only (pp = dp = 1)")
     if vllm_config.speculative_config is not None:
         raise PleConfigError("speculative decoding is not supported with PLE offload")
-    if settings.transport == "cuda" and getattr(sched, "async_scheduling", False):
-        raise PleConfigError("async scheduling must be off with the cuda transport: the "
-                             "worker posts ids from the host copy of the batch")
+    if (settings.transport == "cuda" and settings.post == "host"
+            and getattr(sched, "async_scheduling", False)):
+        raise PleConfigError("async scheduling must be off with ple.post 'host' on the cuda "
+                             "transport: the worker posts ids from the host copy of the batch "
+                             "(ple.post 'stream' keeps it on)")
 
 
 def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worker_pair.WorkerPair:
@@ -36,4 +38,5 @@ def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worke
     check_engine(vllm_config, settings)
     return worker_pair.attach_process(
         settings.geometry, rank=worker_rank(), transport=settings.transport,
-        deadlines=settings.deadlines, heartbeat_s=settings.heartbeat_interval_s)
+        deadlines=settings.deadlines, heartbeat_s=settings.heartbeat_interval_s,
+        post=settings.post)

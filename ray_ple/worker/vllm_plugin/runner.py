@@ -1,7 +1,8 @@
 """Worker classes (`ParallelConfig.worker_cls`) whose model runner brackets every forward.
 
 The V1 runner's `_model_forward` ("can be overridden by subclasses") is where a real step is
-posted before the forward and released after it; `_dummy_run` (profile, warm-up, capture)
+posted before the forward (by the host, or enqueued for the GPU stream to post) and released
+after it; `_dummy_run` (profile, warm-up, capture)
 is bracketed as a local forward that never reaches the offload actor.
 """
 
@@ -25,6 +26,10 @@ class PleRunnerMixin:
                                           inputs_embeds, **model_kwargs)
         if input_ids is None:
             raise PleConfigError("PLE offload needs token ids; prompt embeddings are unsupported")
+        if pair.stream_posts:  # the stream posts the ids it is about to embed (async-safe)
+            with pair.stream_step(input_ids):
+                return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                              inputs_embeds, **model_kwargs)
         if input_ids.device.type == "cpu":
             host = input_ids.numpy()
         else:  # the host copy the runner prepared this batch from (async scheduling is off)
