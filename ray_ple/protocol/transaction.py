@@ -17,8 +17,9 @@ engine thread on CPU; every counter lives in the pair's control block)::
 The stream post (CUDA): the worker only announces (`announce(T)`: phase, state, T, then
 `announced = s`, fence, ring if asleep) and enqueues a kernel before the forward; in stream
 order that kernel checks what `begin` checks (READY, posted == published[*] == released,
-announced > released), writes T and the ids from the model's own input tensor, fences and
-stores `posted = released + 1`, or stores its reason and traps. The host never waits for
+announced > released: the host may be a step ahead), writes T and the ids from the
+model's own input tensor, fences and stores `posted = released + 1`, or stores its reason
+and traps. The host never waits for
 the GPU, so vLLM's async scheduling can stay on: the ids of step s+1 may exist only on the
 GPU when the host enqueues it. The offload side never sleeps while `announced` is ahead of
 the last step it served: it spins for the stream's `posted` (bounded by `step_s`).

@@ -292,21 +292,29 @@ def sync(device: torch.device) -> None:
 
 # the engine loop ---------------------------------------------------------------------------
 class Engine:
-    """Posts each step through `WorkerPair.step`, closes the loop on the model's own ids."""
+    """Posts each step through `WorkerPair.step` (the host's copy of the ids, read with a
+    sync) or, `stream=True`, `WorkerPair.stream_step` (the GPU posts the model's int32 ids
+    itself; the host never waits, as with vLLM's async scheduling); closes the loop on the
+    model's own ids."""
 
     def __init__(self, pair: worker_pair.WorkerPair, model: Any, t: int, rows: int,
-                 device: torch.device, seed: int = 1) -> None:
+                 device: torch.device, seed: int = 1, stream: bool = False) -> None:
         self.pair, self.model, self.t, self.rows, self.device = pair, model, t, rows, device
         self.ids = torch.from_numpy(first_ids(t, self.rows, seed)).to(device)
         self.err = torch.zeros((), dtype=torch.int64, device=device)
         self.steps = 0
+        self.stream = stream
 
     def eager(self, n: int) -> int:
         """n closed-loop steps, eager forward; returns the wrong words seen (0 expected)."""
         for _ in range(n):
-            host = self.ids.cpu().numpy()  # the engine's read of the sampled ids (a sync)
-            with self.pair.step(host):
-                bad, nxt, _ = self.model(self.ids)
+            if self.stream:
+                with self.pair.stream_step(self.ids.to(torch.int32)):
+                    bad, nxt, _ = self.model(self.ids)
+            else:
+                host = self.ids.cpu().numpy()  # the engine's read of the sampled ids (a sync)
+                with self.pair.step(host):
+                    bad, nxt, _ = self.model(self.ids)
             self.err += bad
             self.ids = nxt
             self.steps += 1
@@ -324,6 +332,7 @@ class GraphStep:
         self.engine = e
         self.transport = e.pair.transport
         self.ids = e.ids.clone()
+        self.ids32 = e.ids.to(torch.int32)  # what a stream post reads (vLLM's dtype)
         self.host_ids = torch.empty(e.t, dtype=torch.int64, pin_memory=True)
         self.err = torch.zeros((), dtype=torch.int64, device=e.device)
         self.graph = torch.cuda.CUDAGraph()
@@ -338,27 +347,35 @@ class GraphStep:
                 bad, nxt, _ = e.model(self.ids)
                 self.err.add_(bad)
                 self.ids.copy_(nxt)
+                self.ids32.copy_(nxt)
                 self.host_ids.copy_(nxt, non_blocking=True)
                 if release_in_graph:
                     self.transport.capture_release()
         self.record = self.transport.last_capture
         self.err.zero_()
         self.ids.copy_(e.ids)
+        self.ids32.copy_(e.ids)
         self.host_ids.copy_(e.ids)
         sync(e.device)
 
-    def run(self, n: int, *, stamps: list[float] | None = None) -> int:
-        """n closed-loop steps by replay; returns the wrong words seen (0 expected)."""
+    def run(self, n: int, *, stamps: list[float] | None = None, wait: bool = True) -> int:
+        """n closed-loop steps by replay; returns the wrong words seen (0 expected).
+        `wait=False` (stream posts only): the host never waits for a step, it runs ahead."""
         e, pair = self.engine, self.engine.pair
         stream = torch.cuda.current_stream(e.device)
         for _ in range(n):
-            stream.synchronize()  # the decode engine's wait for its sampled tokens
+            if wait:
+                stream.synchronize()  # the decode engine's wait for its sampled tokens
             if stamps is not None:
                 stamps.append(time.perf_counter())
-            host = self.host_ids.numpy()
-            with pair.step(host):
-                self.transport.replayed(self.record)
-                self.graph.replay()
+            if e.stream:
+                with pair.stream_step(self.ids32):
+                    self.transport.replayed(self.record)
+                    self.graph.replay()
+            else:
+                with pair.step(self.host_ids.numpy()):
+                    self.transport.replayed(self.record)
+                    self.graph.replay()
             e.steps += 1
         stream.synchronize()
         if stamps is not None:
@@ -537,12 +554,33 @@ def stamp_mismatch_scenario(work: Path, late: bool) -> None:
     os._exit(0)  # the context is gone; the offload side ends itself on FAILED
 
 
+def stream_post_twice_scenario(work: Path) -> None:
+    """One announcement, two stream posts (a post enqueued twice): the second `ple_post`
+    finds `posted` ahead of `released`, stores STREAM_POST and FAILED and traps."""
+    import ray_ple.worker.ops  # noqa: F401
+    from ray_ple.protocol.fatal import Reason
+
+    geo = geometry(4096, max_tokens=64)
+    off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
+    pair = attach(off.handle, geo, "cuda")
+    model = StandIn(4096).cuda()
+    engine = Engine(pair, model, 8, 4096, torch.device("cuda"), stream=True)
+    print(json.dumps({"wrong_words": engine.eager(3), "expected_reason":
+                      Reason.STREAM_POST.name}), flush=True)
+    ids32 = engine.ids.to(torch.int32)
+    with pair.stream_step(ids32):
+        pair.transport.stream_post(ids32)  # the bug: the same step posted again
+        torch.cuda.synchronize()  # raises: the context is lost (the forward is abandoned)
+    print(json.dumps({"error": "a second post of one step was not stopped"}), flush=True)
+    off.close()
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch",
-                                         "stamp-early", "stamp-late"])
+                                         "stamp-early", "stamp-late", "stream-post-twice"])
     ap.add_argument("work", type=Path)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
@@ -551,6 +589,8 @@ if __name__ == "__main__":
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
         sys.exit(0)
+    if a.scenario == "stream-post-twice":
+        stream_post_twice_scenario(a.work)
     if a.scenario.startswith("stamp-"):
         stamp_mismatch_scenario(a.work, late=a.scenario == "stamp-late")
     res = compile_scenario(a.scenario.split("-")[1], a.work, a.rows, a.tokens, a.steps)

@@ -179,6 +179,65 @@ def test_graph_replayed_for_another_token_count_is_fatal(ckpt: Path, tmp_path: P
     assert verdicts and verdicts[0]["reason"] == "GEOMETRY" and verdicts[0]["where"] == "consumer"
 
 
+# the stream post: the GPU posts the step from the model's own ids -------------------------
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64, 256])
+def test_stream_post_closed_loop_rows_verified(gpu, t: int) -> None:
+    """Eager and graph steps posted by the stream, with the host waiting for each step and
+    running ahead (vLLM's async scheduling), between host-posted steps on the same pair."""
+    _, pair = gpu
+    before = pair.block.posted
+    host = _engine(pair, t, seed=400 + t)
+    stream = rig.Engine(pair, rig.StandIn(ROWS).cuda(), t, ROWS, torch.device("cuda"),
+                        seed=500 + t, stream=True)
+    assert stream.eager(200) == 0
+    assert host.eager(50) == 0
+    graph = stream.capture()
+    assert pair.block.posted == before + 250, "a capture must not post"
+    assert graph.run(500) == 0
+    assert graph.run(1000, wait=False) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 1750, before + 1750,
+                                                        {before + 1750})
+    assert pair.block.announced == before + 1750 and pair.block.token_count == t
+
+
+@needs_cuda
+def test_stream_post_late_pull_host_ahead(late) -> None:
+    _, pair, geo = late
+    before = pair.block.posted
+    with rig.registered(pair):
+        engine = rig.Engine(pair, rig.LateStandIn(ROWS, geo).cuda(), 64, ROWS,
+                            torch.device("cuda"), seed=600, stream=True)
+        assert engine.eager(100) == 0
+        graph = engine.capture()
+    assert graph.run(1000, wait=False) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 1100, before + 1100,
+                                                        {before + 1100})
+
+
+@needs_cuda
+def test_a_step_posted_twice_by_the_stream_fails_closed_on_the_gpu(ckpt: Path,
+                                                                   tmp_path: Path) -> None:
+    """`ple_post` checks the counters in stream order: a second post of one step traps after
+    writing STREAM_POST and FAILED; the offload side ends itself naming it, the worker's
+    next CUDA call raises and it fails closed (exit 86)."""
+    (tmp_path / "ckpt").symlink_to(ckpt)
+    proc = subprocess.run([sys.executable, str(RIG), "stream-post-twice", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    verdicts = [json.loads(line) for line in proc.stderr.splitlines()
+                if '"verdict"' in line and line.startswith("{")]
+    assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
+    assert lines and lines[0]["wrong_words"] == 0, lines
+    offload = [v for v in verdicts if v["where"] == "offload"]
+    worker = [v for v in verdicts if v["where"] == "worker"]
+    assert offload and offload[0]["reason"] == "PEER_FAILED", verdicts
+    assert "reason STREAM_POST" in offload[0]["detail"], verdicts
+    assert worker and "CUDA error" in worker[0]["detail"], verdicts
+
+
 # the late pull: one slot per part, copied on a side stream, joined before its use ----------
 PARTS = (7, 7, 7, 7, 7)  # 35 layers of 256 values: 5 slots of 3,584 B a row
 
@@ -304,3 +363,24 @@ def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["wrong"] == 0 and out["c"] == [100, 100]
     assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]
+
+
+def test_rig_stream_post_is_refused_on_the_cpu_transport(ckpt: Path) -> None:
+    """No stream on the CPU transport: a stream step is one clear error, nothing announced."""
+    code = (
+        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
+        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
+        "from ray_ple.errors import PleConfigError; "
+        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
+        "p = r.attach(o.handle, g, 'cpu'); "
+        f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu'), stream=True)\n"
+        "try:\n    e.eager(1); err = None\nexcept PleConfigError as x:\n    err = str(x)\n"
+        "print(json.dumps({'err': err, 'words': [p.block.announced, p.block.posted], "
+        "'phase': p.worker.phase.value, 'st': o.status()['state']})); o.close()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "cannot post a step from a stream" in out["err"]
+    assert out["words"] == [0, 0] and out["phase"] == "idle" and out["st"] == "READY"

@@ -16,7 +16,8 @@
   host words name the cause for both sides and the supervisor.
 
 - `ple_post` (the stream post): one block checks what the host's `begin` checks (READY, no
-  reason, `posted == released == published[*]`, `released < announced <= released + 2`),
+  reason, `posted == released == published[*]`, `announced > released`: the host announced
+  the step; it may have announced the next too, with async scheduling),
   copies T int32 ids from the model's input tensor into the mapped input slot, writes T,
   fences at system scope and stores `posted = released + 1`; on a mismatch it stores
   STREAM_POST and FAILED and traps, as the stamp check does. Reading `released` (which the
@@ -124,8 +125,7 @@ extern "C" __global__ void ple_post(unsigned char* base, const int* __restrict__
         const u64 announced = load_cv64(base + w.announced_off);
         bool ok = load_cv32(base + w.state_off) == w.ready
                   && load_cv32(base + w.state_off + 4) == 0u
-                  && posted == released && announced > released
-                  && announced <= released + 2ull;
+                  && posted == released && announced > released;
         for (u32 i = 0; ok && i < w.n_slots; ++i) {
             ok = load_cv64(base + w.published0_off + i * w.slot_stride) == released;
         }
