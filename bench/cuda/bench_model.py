@@ -19,6 +19,9 @@ Variants (where the rows come from, and when the model waits for them):
             0, each part's `ray_ple::pull_wait` just before its first layer's gate; the
             worker posts, then launches (the vLLM hook's order)
     L_lf    the same, launched first, then posted (the host post overlaps the GPU)
+    L_sp    the same, posted by the stream (`WorkerPair.stream_step`: the host announces
+            and enqueues `ple_post`, which writes the step's ids from the GPU's own ids
+            tensor and advances `posted`; then the launch; the host never reads the ids)
 
 The offload side of C and L is the project's offload actor in separate CPU-only processes
 (`tests/gpu/cuda_rig.OffloadProcess`, `gather_threads` numpy threads), the two sharing the
@@ -221,6 +224,7 @@ class Loop:
         self.ids, self.err = ids0.clone(), torch.zeros((), dtype=torch.int64, device=self.dev)
         self.host_ids = torch.empty(ids0.shape[0], dtype=torch.int64, pin_memory=self.cuda)
         self.host_ids.copy_(ids0)
+        self.ids32 = ids0.to(torch.int32)  # what a stream post reads (vLLM's int32 ids)
         self.record = None
         if not self.cuda:
             return
@@ -237,6 +241,7 @@ class Loop:
                 bad, nxt, _ = model(self.ids)
                 self.err.add_(bad)
                 self.ids.copy_(nxt)
+                self.ids32.copy_(nxt)
                 self.host_ids.copy_(nxt, non_blocking=True)
         if pair is not None:
             self.record = pair.transport.last_capture
@@ -253,10 +258,11 @@ class Loop:
         self.ids.copy_(nxt)
         self.host_ids.copy_(nxt)
 
-    def run(self, n: int, launch_first: bool = False,
-            pre: bool = False) -> tuple[list[float], list[float], int]:
+    def run(self, n: int, launch_first: bool = False, pre: bool = False,
+            stream: bool = False) -> tuple[list[float], list[float], int]:
         """n closed-loop steps; per-step wall stamps, host post times, wrong words. `pre`:
-        launch only once the host sees every part published (the GPU never waits a flag)."""
+        launch only once the host sees every part published (the GPU never waits a flag);
+        `stream`: the stream posts (host post time: the announcement and the enqueue)."""
         pair, stamps, posts = self.pair, [], []
         sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
         reg = rig.registered(pair) if (pair and not self.cuda) else contextlib.nullcontext()
@@ -267,6 +273,13 @@ class Loop:
                 host = self.host_ids.numpy()
                 if pair is None:
                     self._forward()
+                    continue
+                if stream:
+                    t0 = time.perf_counter()
+                    with pair.stream_step(self.ids32):
+                        posts.append(time.perf_counter() - t0)
+                        pair.transport.replayed(self.record)
+                        self._forward()
                     continue
                 if launch_first:
                     self._forward()
@@ -370,11 +383,12 @@ class Bench:
 
     def measure(self, consumer: str, t: int, variant: str, model: torch.nn.Module,
                 pair: Any, n: int, warm: int, launch_first: bool = False, pre: bool = False,
-                **extra: Any) -> None:
+                stream: bool = False, **extra: Any) -> None:
         if self.a.variants and variant not in self.a.variants.split(","):
             return
-        if launch_first and self.device.type != "cuda":
-            return  # eager on CPU: a forward launched before its post would pull unposted
+        if (launch_first or stream) and self.device.type != "cuda":
+            return  # eager on CPU: a forward launched before its post would pull unposted;
+            # a stream post needs a stream
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
         if isinstance(extra.get("parts"), tuple):
             split = extra["parts"]
@@ -385,7 +399,7 @@ class Bench:
         t0 = time.perf_counter()
         loop = Loop(model, ids0, pair)
         capture_s = time.perf_counter() - t0
-        stamps, posts, wrong = loop.run(n + warm, launch_first, pre)
+        stamps, posts, wrong = loop.run(n + warm, launch_first, pre, stream)
         row = {"consumer": consumer, "T": t, "variant": variant, **stats(stamps, warm),
                "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
         if posts:
@@ -431,6 +445,7 @@ class Bench:
             pair = self.pairs[main, t > 256]
             self.measure("model", t, "L", late, pair, n, warm, parts=main)
             self.measure("model", t, "L_lf", late, pair, n, warm, True, parts=main)
+            self.measure("model", t, "L_sp", late, pair, n, warm, stream=True, parts=main)
             self.late_caps(t, late, pair, n, warm, main)
             if "pre" in a.extra:
                 c_src, c_pair = srcs["C"]
@@ -493,6 +508,7 @@ class Bench:
             main_stack = Stack(self.weights, self.late_source(main), self.rows)
             runs.append(("L", main_stack, self.pairs[main, t > 256], main))
             runs.append(("L_lf", main_stack, self.pairs[main, t > 256], main))
+            runs.append(("L_sp", main_stack, self.pairs[main, t > 256], main))
             for sp in self.splits():
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
@@ -500,7 +516,7 @@ class Bench:
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
                     self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
-                                 parts=sp, round=r)
+                                 stream=name == "L_sp", parts=sp, round=r)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
                           flush=True)
@@ -519,7 +535,7 @@ class Bench:
                 b.ple = UvaRows(self.table_dev, self.rows, self.device.index or 0)
                 models["B"] = (b, None)
             models["C"] = (rig.StandIn(self.rows, ROW_ELEMS).to(self.device),
-                           self.pairs[1, t > 256])
+                           self.pairs[(LAYERS,), t > 256])
             late = rig.LateStandIn(self.rows, self.geos[main], ROW_ELEMS).to(self.device)
             models["L"] = (late, self.pairs[main, t > 256])
             for name, (m, pair) in models.items():
@@ -527,6 +543,8 @@ class Bench:
                              parts=main if name == "L" else 1)
             self.measure("synthetic", t, "L_lf", late, self.pairs[main, t > 256], n, warm,
                          True, parts=main)
+            self.measure("synthetic", t, "L_sp", late, self.pairs[main, t > 256], n, warm,
+                         stream=True, parts=main)
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "synthetic_after_T": t}), flush=True)
                 return
