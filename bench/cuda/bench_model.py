@@ -23,6 +23,11 @@ Variants (where the rows come from, and when the model waits for them):
             and enqueues `ple_post`, which writes the step's ids from the GPU's own ids
             tensor and advances `posted`; then the launch; the host never reads the ids)
 
+With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
+host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
+s-1 to have finished, one step of look-ahead, as vLLM waits for the sampled tokens of the
+step before). L and L_lf cannot run so: their host post needs the step's ids on the host.
+
 The offload side of C and L is the project's offload actor in separate CPU-only processes
 (`tests/gpu/cuda_rig.OffloadProcess`, `gather_threads` numpy threads), the two sharing the
 node's one table copy. The synthetic consumer is `bench_pull`'s (`cuda_rig.StandIn`: the
@@ -259,17 +264,28 @@ class Loop:
         self.host_ids.copy_(nxt)
 
     def run(self, n: int, launch_first: bool = False, pre: bool = False,
-            stream: bool = False) -> tuple[list[float], list[float], int]:
+            stream: bool = False, ahead: bool = False) -> tuple[list[float], list[float], int]:
         """n closed-loop steps; per-step wall stamps, host post times, wrong words. `pre`:
         launch only once the host sees every part published (the GPU never waits a flag);
-        `stream`: the stream posts (host post time: the announcement and the enqueue)."""
+        `stream`: the stream posts (host post time: the announcement and the enqueue);
+        `ahead`: step s is enqueued once step s-2 has finished (async scheduling)."""
         pair, stamps, posts = self.pair, [], []
         sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
         reg = rig.registered(pair) if (pair and not self.cuda) else contextlib.nullcontext()
+        done: list[Any] = []
         with reg:
-            for _ in range(n):
-                sync()  # the engine's wait for its sampled tokens
+            for i in range(n):
+                if ahead:  # the engine waits for the tokens of the step before the last
+                    if i >= 2:
+                        done[i - 2].synchronize()
+                    done.append(torch.cuda.Event())
+                else:
+                    sync()  # the engine's wait for its sampled tokens
                 stamps.append(time.perf_counter())
+                if ahead and not stream:
+                    self._forward()
+                    done[i].record()
+                    continue
                 host = self.host_ids.numpy()
                 if pair is None:
                     self._forward()
@@ -280,6 +296,8 @@ class Loop:
                         posts.append(time.perf_counter() - t0)
                         pair.transport.replayed(self.record)
                         self._forward()
+                    if ahead:
+                        done[i].record()
                     continue
                 if launch_first:
                     self._forward()
@@ -383,10 +401,10 @@ class Bench:
 
     def measure(self, consumer: str, t: int, variant: str, model: torch.nn.Module,
                 pair: Any, n: int, warm: int, launch_first: bool = False, pre: bool = False,
-                stream: bool = False, **extra: Any) -> None:
+                stream: bool = False, ahead: bool = False, **extra: Any) -> None:
         if self.a.variants and variant not in self.a.variants.split(","):
             return
-        if (launch_first or stream) and self.device.type != "cuda":
+        if (launch_first or stream or ahead) and self.device.type != "cuda":
             return  # eager on CPU: a forward launched before its post would pull unposted;
             # a stream post needs a stream
         ids0 = torch.from_numpy(rig.first_ids(t, self.rows, t)).to(self.device)
@@ -399,7 +417,7 @@ class Bench:
         t0 = time.perf_counter()
         loop = Loop(model, ids0, pair)
         capture_s = time.perf_counter() - t0
-        stamps, posts, wrong = loop.run(n + warm, launch_first, pre, stream)
+        stamps, posts, wrong = loop.run(n + warm, launch_first, pre, stream, ahead)
         row = {"consumer": consumer, "T": t, "variant": variant, **stats(stamps, warm),
                "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
         if posts:
@@ -509,6 +527,9 @@ class Bench:
             runs.append(("L", main_stack, self.pairs[main, t > 256], main))
             runs.append(("L_lf", main_stack, self.pairs[main, t > 256], main))
             runs.append(("L_sp", main_stack, self.pairs[main, t > 256], main))
+            if "ahead" in a.extra:
+                runs += [(f"{name}_as", model, pair, sp) for name, model, pair, sp in runs
+                         if name in ("A", "B", "L_sp")]
             for sp in self.splits():
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
@@ -516,7 +537,8 @@ class Bench:
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
                     self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
-                                 stream=name == "L_sp", parts=sp, round=r)
+                                 stream=name.startswith("L_sp"), ahead=name.endswith("_as"),
+                                 parts=sp, round=r)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
                           flush=True)
@@ -588,18 +610,21 @@ def run_turnaround(b: Bench) -> None:
 
 def print_tables(lines: list[dict[str, Any]]) -> None:
     """Per T and variant: the median over rounds of the step's median, added over A of the
-    same round, each round's figure in brackets where there were several."""
+    same round (an `_as` variant over `A_as`: both run as async scheduling), each round's
+    figure in brackets where there were several."""
     for consumer in ("model", "synthetic"):
         rows = [r for r in lines if r["consumer"] == consumer]
         print(f"\n{consumer}: median us per step over rounds, added vs A [per round] | p99 | "
               "wrong words | host post us")
         for t in dict.fromkeys(r["T"] for r in rows):
             at = [r for r in rows if r["T"] == t]
-            base = {r.get("round", 0): r["median_us"] for r in at if r["variant"] == "A"}
+            base = {(r["variant"], r.get("round", 0)): r["median_us"] for r in at
+                    if r["variant"] in ("A", "A_as")}
             cells = []
             for v in dict.fromkeys(r["variant"] for r in at):
                 rs = [r for r in at if r["variant"] == v]
-                added = [r["median_us"] - base.get(r.get("round", 0), 0.0) for r in rs]
+                a = "A_as" if v.endswith("_as") else "A"
+                added = [r["median_us"] - base.get((a, r.get("round", 0)), 0.0) for r in rs]
                 posts = [r["host_post_us"] for r in rs if "host_post_us" in r]
                 cell = (f"{v}={np.median([r['median_us'] for r in rs]):.1f}"
                         f"({np.median(added):+.1f})")
@@ -642,7 +667,8 @@ def main() -> None:
     ap.add_argument("--gather-threads", type=int, default=1, help="offload, T <= 256")
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
-    ap.add_argument("--extra", default="", help="comma list: pre (C_pre, L_pre: launched once "
+    ap.add_argument("--extra", default="", help="comma list: ahead (A_as, B_as, L_sp_as: async "
+                    "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")
     ap.add_argument("--late-options", default="", help="NAME:field=int,...;... CudaOptions "

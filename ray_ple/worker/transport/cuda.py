@@ -190,6 +190,7 @@ class CudaTransport(Transport):
             announced_off=ANNOUNCED_OFF, published0_off=layout.published_offsets[0],
             slot_stride=SLOT_STRIDE, n_slots=self._nflags, count_off=layout.count_offset,
             ids_off=layout.ids_offset)
+        self._post_params: dict[tuple[int, int], object] = {}  # (ids, T) -> launch params
         self._probe()
         # the late pull: one side stream (high priority: a copy waits for no GEMM block),
         # one fork event, one completion event per slot; all for the life of the process
@@ -311,7 +312,7 @@ class CudaTransport(Transport):
     # the transaction ----------------------------------------------------------------------
     def check_stream_ids(self, ids: torch.Tensor) -> None:
         """The ids a stream post reads: the model's int32 input tensor on this device."""
-        if (ids.device != torch.device("cuda", self.device) or ids.dtype != torch.int32
+        if (ids.dtype is not torch.int32 or not ids.is_cuda or ids.get_device() != self.device
                 or ids.dim() != 1 or not ids.is_contiguous()):
             raise PleConfigError(f"a stream post reads a contiguous 1-D int32 tensor on cuda:"
                                  f"{self.device}, got {tuple(ids.shape)} {ids.dtype} on "
@@ -326,7 +327,7 @@ class CudaTransport(Transport):
             self._fail(Reason.GEOMETRY, 0, f"stream post of {ids.shape[0]} ids, step {w.step} "
                        f"announced {w.rows}")
         self.kernels.launch_post(self._base_dev, ids.data_ptr(), w.rows, self._post_words,
-                                 self._stream())
+                                 self._stream(), self._post_params)
 
     def pull(self, layer: int, out: torch.Tensor) -> None:
         nbytes = self._check_pull(layer, out)

@@ -285,8 +285,17 @@ class Kernels:
         check(driver().cuLaunchKernel(self.release, 1, 1, 1, 1, 1, 1, 0, stream, p.address, 0),
               "cuLaunchKernel(ple_release)")
 
-    def launch_post(self, base: int, ids: int, t: int, words: PostWords, stream: int) -> None:
-        """Enqueue the stream post of `t` int32 ids at device address `ids` (one block)."""
-        p = _Params(ctypes.c_uint64(base), ctypes.c_uint64(ids), ctypes.c_uint32(t), words)
+    def launch_post(self, base: int, ids: int, t: int, words: PostWords, stream: int,
+                    cache: dict[tuple[int, int], object] | None = None) -> None:
+        """Enqueue the stream post of `t` int32 ids at device address `ids` (one block).
+        `cache` keeps the packed parameters per (ids, t): an engine posts from one input
+        buffer at a few sizes, and packing is most of this call's host time."""
+        p = cache.get((ids, t)) if cache is not None else None
+        if p is None:
+            p = _Params(ctypes.c_uint64(base), ctypes.c_uint64(ids), ctypes.c_uint32(t), words)
+            if cache is not None:
+                if len(cache) >= 512:
+                    cache.clear()
+                cache[ids, t] = p
         check(driver().cuLaunchKernel(self.post, 1, 1, 1, THREADS, 1, 1, 0, stream,
                                       p.address, 0), "cuLaunchKernel(ple_post)")
