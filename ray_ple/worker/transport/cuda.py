@@ -13,8 +13,10 @@ Per forward, all in stream order on the current torch stream, all capturable::
     release(step)      ple_release: flag[*] = 0, system fence, released += 1
 
 With the stream post (`ple.post: stream`), the step itself is posted in stream order too:
-`stream_post(ids)` enqueues `ple_post` before the forward (counter checks, the ids from the
-model's own input tensor, then `posted`), so the host never waits and never reads the ids.
+`stream_post(ids)` forks the side stream off the model stream before the forward and
+enqueues `ple_post` there (counter checks, the ids from the model's own input tensor, then
+`posted`), so the host never waits nor reads the ids, and the forward never waits for the
+post: only a pull needs the step, and it waits for the step's rows.
 
 The late pull splits the same into two ops, so that a slot (one part of a table's row: a
 group of consecutive model layers) arrives while the earlier layers run::
@@ -198,6 +200,7 @@ class CudaTransport(Transport):
         d = driver()
         flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fork = check(d.cuEventCreate(flags), "cuEventCreate(fork)")
+        self._post_fork = check(d.cuEventCreate(flags), "cuEventCreate(post fork)")
         self._done = [check(d.cuEventCreate(flags), "cuEventCreate(done)")
                       for _ in range(self._nflags)]
         # per-step bookkeeping (host side, checked before every release)
@@ -319,15 +322,21 @@ class CudaTransport(Transport):
                                  f"{ids.device}")
 
     def stream_post(self, ids: torch.Tensor) -> None:
-        """Enqueue `ple_post` of the announced step on the current stream."""
+        """Enqueue `ple_post` of the announced step on the side stream, forked from the
+        model stream here (after the previous release and the ids): the forward runs on
+        while the step is checked and posted; the pulls that need it wait for its rows."""
         w = self.worker
         if torch.cuda.is_current_stream_capturing():
             self._fail(Reason.STATE, 0, f"step {w.step} posted inside a graph capture")
         if ids.shape[0] != w.rows:
             self._fail(Reason.GEOMETRY, 0, f"stream post of {ids.shape[0]} ids, step {w.step} "
                        f"announced {w.rows}")
+        d, side = driver(), self._side.cuda_stream
+        check(d.cuEventRecord(self._post_fork, self._stream()), "cuEventRecord(post fork)")
+        check(d.cuStreamWaitEvent(side, self._post_fork, 0), "cuStreamWaitEvent(post fork)")
+        ids.record_stream(self._side)  # read there: not reused before the post has run
         self.kernels.launch_post(self._base_dev, ids.data_ptr(), w.rows, self._post_words,
-                                 self._stream(), self._post_params)
+                                 side, self._post_params)
 
     def pull(self, layer: int, out: torch.Tensor) -> None:
         nbytes = self._check_pull(layer, out)

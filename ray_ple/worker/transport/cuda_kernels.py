@@ -15,7 +15,9 @@
   so nothing after the copy (the layers, the sampled tokens) runs or leaves the GPU, and the
   host words name the cause for both sides and the supervisor.
 
-- `ple_post` (the stream post): one block checks what the host's `begin` checks (READY, no
+- `ple_post` (the stream post, on the transport's side stream so that the forward never
+  waits for it: only the pulls need the step posted, and they wait for its rows): one block
+  checks what the host's `begin` checks (READY, no
   reason, `posted == released == published[*]`, `announced > released`: the host announced
   the step; it may have announced the next too, with async scheduling),
   copies T int32 ids from the model's input tensor into the mapped input slot, writes T,
@@ -117,30 +119,36 @@ struct PostWords {  // byte offsets into the control block, and the words' value
     u32 count_off, ids_off;
 };
 
+// blockDim.x >= 5 + n_slots: every word is read by its own thread, all at once (each read
+// crosses PCIe: read one after another, they would add up on the stream's path)
 extern "C" __global__ void ple_post(unsigned char* base, const int* __restrict__ ids, u32 t,
                                     PostWords w) {
-    if (threadIdx.x == 0) {
-        const u64 released = load_cv64(base + w.released_off);
-        const u64 posted = load_cv64(base + w.posted_off);
-        const u64 announced = load_cv64(base + w.announced_off);
-        bool ok = load_cv32(base + w.state_off) == w.ready
-                  && load_cv32(base + w.state_off + 4) == 0u
-                  && posted == released && announced > released;
-        for (u32 i = 0; ok && i < w.n_slots; ++i) {
-            ok = load_cv64(base + w.published0_off + i * w.slot_stride) == released;
-        }
+    __shared__ u64 word[5 + 128];
+    const u32 k = threadIdx.x;
+    if (k == 0) word[0] = load_cv64(base + w.released_off);
+    else if (k == 1) word[1] = load_cv64(base + w.posted_off);
+    else if (k == 2) word[2] = load_cv64(base + w.announced_off);
+    else if (k == 3) word[3] = load_cv32(base + w.state_off);
+    else if (k == 4) word[4] = load_cv32(base + w.state_off + 4);
+    else if (k < 5 + w.n_slots) word[k] = load_cv64(base + w.published0_off
+                                                    + (k - 5) * w.slot_stride);
+    __syncthreads();
+    if (k == 0) {
+        const u64 released = word[0];
+        bool ok = word[3] == w.ready && word[4] == 0ull && word[1] == released
+                  && word[2] > released;
+        for (u32 i = 0; ok && i < w.n_slots; ++i) ok = word[5 + i] == released;
         if (!ok) fail_and_trap(base, w.state_off, w.failed, w.reason);
     }
     __syncthreads();  // no id is written for a step that may not be posted
     volatile int* slot = (volatile int*)(base + w.ids_off);
-    for (u32 i = threadIdx.x; i < t; i += blockDim.x) slot[i] = ids[i];
-    if (threadIdx.x == 0) *(volatile u32*)(base + w.count_off) = t;
+    for (u32 i = k; i < t; i += blockDim.x) slot[i] = ids[i];
+    if (k == 0) *(volatile u32*)(base + w.count_off) = t;
     __threadfence_system();  // each thread's ids visible system-wide before the barrier
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (k == 0) {
         __threadfence_system();
-        const u64 released = load_cv64(base + w.released_off);
-        *(volatile u64*)(base + w.posted_off) = released + 1ull;
+        *(volatile u64*)(base + w.posted_off) = word[0] + 1ull;
     }
 }
 
