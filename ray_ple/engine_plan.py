@@ -94,7 +94,10 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
                                     engine_dtype=kw.get("dtype"), parts=ple.parts)
-    post = ple.post if ple.post != "auto" else ("stream" if transport == "cuda" else "host")
+    post = ple.post
+    if post == "auto":  # the stream post pays off with async scheduling (bench/cuda, late-run15)
+        post = ("stream" if transport == "cuda" and kw.get("async_scheduling") is not False
+                else "host")
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
                              f"the step), not {transport!r}")

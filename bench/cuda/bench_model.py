@@ -567,6 +567,13 @@ class Bench:
                          True, parts=main)
             self.measure("synthetic", t, "L_sp", late, self.pairs[main, t > 256], n, warm,
                          stream=True, parts=main)
+            if "ahead" in a.extra:
+                for name in ("A", "B", "L"):
+                    if name in models:
+                        m, pair = models[name]
+                        self.measure("synthetic", t, f"{name}_as" if name != "L" else "L_sp_as",
+                                     m, pair, n, warm, stream=name == "L", ahead=True,
+                                     parts=main if name == "L" else 1)
             if self.over_budget():
                 print(json.dumps({"skipped": "budget", "synthetic_after_T": t}), flush=True)
                 return
