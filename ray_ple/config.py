@@ -39,9 +39,9 @@ class PleConfig(Frozen):
         "the host, so vLLM's async scheduling is turned off on CUDA), or the GPU stream itself "
         "(a kernel before the forward reads the model's input ids; the host never waits and "
         "async scheduling stays as configured; the offload actor spins from the announcement "
-        "to the post). auto: stream with the cuda transport unless the engine turns async "
-        "scheduling off (a synchronous engine pays the stream post's host time before each "
-        "launch), host with cpu"
+        "to the post). auto: stream where vLLM runs the cuda transport with async scheduling "
+        "(its default), host otherwise (a synchronous engine would pay the stream post's host "
+        "time before each launch)"
     )
     offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
     gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")

@@ -94,10 +94,7 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
                                     engine_dtype=kw.get("dtype"), parts=ple.parts)
-    post = ple.post
-    if post == "auto":  # the stream post pays off with async scheduling (bench/cuda, late-run15)
-        post = ("stream" if transport == "cuda" and kw.get("async_scheduling") is not False
-                else "host")
+    post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
                              f"the step), not {transport!r}")
@@ -116,6 +113,7 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     if transport == "cuda":
         if post == "host":  # the host posts the ids it prepared: it must have them first
             kw["async_scheduling"] = False
+        # auto: the worker picks once vLLM has resolved async scheduling (`post_for`)
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(
             int(kw.get("tensor_parallel_size", 1))))
     return OffloadPlan(checkpoint_dir=checkpoint_dir, geometry=geometry, settings=settings,

@@ -66,18 +66,22 @@ def test_the_unoffloaded_model_is_not_refused():
     validate_args(args)
 
 
-def test_the_post_follows_the_transport_and_async_scheduling_the_post():
-    """On CUDA the GPU stream posts by default, and vLLM's async scheduling is left as
-    configured (unless it is configured off: then the host posts); a host post needs the
-    ids on the host, so it turns async scheduling off; a stream post on the CPU transport
-    (no stream) is refused before anything starts."""
+def test_who_posts_follows_the_transport_and_the_engine_scheduling():
+    """On CUDA `auto` is settled by the worker once vLLM has resolved async scheduling:
+    the GPU stream posts where the engine schedules asynchronously (async scheduling left as
+    configured), the host where it does not; a host post needs the ids on the host, so it
+    turns async scheduling off; a stream post on the CPU transport (no stream) is refused
+    before anything starts."""
     ckpt = str(build(PRESETS["tiny-gemma4"]))
-    stream = plan_offload(ckpt, PleConfig(), {}, "cuda")
-    assert stream.settings.post == "stream" and "async_scheduling" not in stream.engine_kwargs
+    auto = plan_offload(ckpt, PleConfig(), {}, "cuda")
+    assert auto.settings.post == "auto" and "async_scheduling" not in auto.engine_kwargs
+    assert auto.settings.post_for(True) == "stream"
+    assert auto.settings.post_for(False) == auto.settings.post_for(None) == "host"
     host = plan_offload(ckpt, PleConfig(post="host"), {"async_scheduling": True}, "cuda")
     assert host.settings.post == "host" and host.engine_kwargs["async_scheduling"] is False
-    assert plan_offload(ckpt, PleConfig(), {}, "cpu").settings.post == "host"
-    sync = plan_offload(ckpt, PleConfig(), {"async_scheduling": False}, "cuda")
-    assert sync.settings.post == "host", "a synchronous engine is better served by the host"
+    stream = plan_offload(ckpt, PleConfig(post="stream"), {}, "cuda")
+    assert stream.settings.post_for(False) == "stream", "as configured"
+    cpu = plan_offload(ckpt, PleConfig(), {}, "cpu")
+    assert cpu.settings.post == "host" and cpu.settings.post_for(True) == "host"
     with pytest.raises(PleConfigError, match="needs the cuda transport"):
         plan_offload(ckpt, PleConfig(post="stream"), {}, "cpu")

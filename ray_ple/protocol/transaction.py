@@ -19,10 +19,10 @@ The stream post (CUDA): the worker only announces (`announce(T)`: phase, state, 
 order that kernel checks what `begin` checks (READY, posted == published[*] == released,
 announced > released: the host may be a step ahead), writes T and the ids from the
 model's own input tensor, fences and stores `posted = released + 1`, or stores its reason
-and traps. The host never waits for
-the GPU, so vLLM's async scheduling can stay on: the ids of step s+1 may exist only on the
-GPU when the host enqueues it. The offload side never sleeps while `announced` is ahead of
-the last step it served: it spins for the stream's `posted` (bounded by `step_s`).
+and traps. The host never waits for the GPU, so vLLM's async scheduling can stay on: the
+ids of step s+1 may exist only on the GPU when the host enqueues it. The offload side
+never sleeps while `announced` is ahead of the last step it served: it spins for the
+stream's `posted` (bounded by `step_s`).
 
 A slot is one part of a table's row (consecutive model layers, `PleGeometry.slots`): the
 offload side raises each part's flag as soon as its rows are written, and the consumer waits
@@ -40,8 +40,8 @@ Dummy, profiling and capture forwards never post: the worker runs them in phase 
 transport satisfies them locally and no counter moves. Invariants, checked by both sides and
 the supervisor with the functions below:
 
-    released <= published[layer] <= posted <= released + 1,  posted <= announced,
-    each counter grows by one.
+    released <= published[layer] <= posted <= released + 1,  each counter grows by one;
+    posted <= announced (checked by the offload side as it takes a step).
 
 The one safety rule: forwards are serialized per worker and any doubt (a counter that jumps
 or goes back, a deadline missed, a peer gone, a forward abandoned between begin and release)
@@ -51,7 +51,7 @@ ends the replica. The rules return a `Failure`; the sides end their process with
 Memory order: the sides publish with plain stores and rely on x86-64's store order (TSO) for
 the words and the rows written with ordinary stores (`check_memory_model`); the gather uses
 ordinary stores only (numpy, torch), so no `sfence` is needed before a flag. The one
-store-then-load pair (`posted`/`sleeping`) is fenced with `store_load_fence`.
+store-then-load pair (`announced`/`sleeping`) is fenced with `store_load_fence`.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class Phase(enum.Enum):
     """Where the worker is between forwards; the one record, read by the transports."""
 
     IDLE = "idle"  # no forward: a pull here is a forward without a transaction
-    STEP = "step"  # a posted step is in flight
+    STEP = "step"  # a posted (or announced) step is in flight
     LOCAL = "local"  # dummy / profile / capture forward, satisfied locally
 
 
@@ -278,11 +278,7 @@ class WorkerEnd:
     def begin(self, ids: np.ndarray, cut: Cut | None = None) -> int:
         """Post step s with these token ids. Raises `PleTokenCountError` before posting."""
         b = self.block
-        if self.phase is not Phase.IDLE:
-            self.fail(Failure(Reason.ABANDONED, f"begin in phase {self.phase.value} (step "
-                              f"{self.step} posted and never released)"))
-        if (f := peer_state(b)) is not None:
-            self.fail(f)
+        self._ready_for_step("begin")
         c = b.counters()
         s = self.step
         if (c.posted != s or c.released != s or c.published.count(s) != len(c.published)
@@ -311,20 +307,25 @@ class WorkerEnd:
         `PleTokenCountError` before anything is stored.
         """
         b = self.block
-        if self.phase is not Phase.IDLE:
-            self.fail(Failure(Reason.ABANDONED, f"announce in phase {self.phase.value} (step "
-                              f"{self.step} announced and never released)"))
-        if (f := peer_state(b)) is not None:
-            self.fail(f)
+        self._ready_for_step("announce")
         s = self.step
         if b.announced != s:
             self.fail(Failure(Reason.INVARIANT, f"announced={b.announced}, this worker "
                               f"announced {s}"))
         t = self._token_count(t)
         s += 1
+        b.stamp_post(time.monotonic_ns())  # the hand-off metric counts from the announcement
         b.announced = s
         self.step, self.rows, self.phase = s, t, Phase.STEP
         return s
+
+    def _ready_for_step(self, what: str) -> None:
+        """No step in flight on this side, and the pair READY."""
+        if self.phase is not Phase.IDLE:
+            self.fail(Failure(Reason.ABANDONED, f"{what} in phase {self.phase.value} (step "
+                              f"{self.step} started and never released)"))
+        if (f := peer_state(self.block)) is not None:
+            self.fail(f)
 
     def _token_count(self, t: int) -> int:
         max_tokens = self.block.layout.max_tokens
@@ -392,13 +393,18 @@ class OffloadEnd:
         never sleep; beyond `step_s` the stream is stuck and the replica ends."""
         b, last = self.block, self.last
 
-        def stop() -> bool:  # beat while spinning; a failed pair is `watch`'s to report
-            b.beat(Side.OFFLOAD, time.monotonic_ns())
-            return not b.ready()
+        due = [0]
+
+        def stop() -> bool:  # beat and watch every ms while spinning (a dead worker's step
+            now = time.monotonic_ns()  # ends on HEARTBEAT, a failed pair on PEER_FAILED)
+            if now >= due[0]:
+                b.beat(Side.OFFLOAD, now)
+                self.watch(now)
+                due[0] = now + 1_000_000
+            return False
 
         limit = self.deadlines.step_s
-        if not wait_until(lambda: b.posted != last, limit, spin_s=limit, abort=stop) \
-                and b.ready():
+        if not wait_until(lambda: b.posted != last, limit, spin_s=limit, abort=stop):
             self.fail(Failure(Reason.STEP_DEADLINE, f"step {b.announced} announced, not "
                               f"posted within {limit:g}s"))
 

@@ -122,9 +122,9 @@ class WorkerPair:
     def _transaction(self, s: int) -> Iterator[None]:
         """After the post (or the announcement): ring if asleep, run the forward, release."""
         w = self.worker
-        if w.must_ring():  # only a sleeping offload side needs the syscall
-            self._bell.ring()
         try:
+            if w.must_ring():  # only a sleeping offload side needs the syscall
+                self._bell.ring()
             if faults.ACTIVE and faults.hit("worker.raise_after_post", w.rank):
                 raise RuntimeError("injected fault: exception after post")
             yield

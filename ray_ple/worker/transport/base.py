@@ -63,8 +63,9 @@ class Transport(ABC):
         raise PleConfigError(f"transport {self.name!r} cannot post a step from a stream")
 
     def stream_post(self, ids: torch.Tensor) -> None:
-        """Post the announced step in the consumer's order, from the forward's own ids."""
-        raise PleConfigError(f"transport {self.name!r} cannot post a step from a stream")
+        """Post the announced step in the consumer's order, from the forward's own ids
+        (only where `check_stream_ids` accepted them)."""
+        raise NotImplementedError
 
     @abstractmethod
     def release(self, step: int) -> None:

@@ -70,7 +70,6 @@ from ray_ple.log import log_event
 from ray_ple.protocol.fatal import Reason
 from ray_ple.protocol.layout import (
     ANNOUNCED_OFF,
-    LAYER_STRIDE,
     POSTED_OFF,
     RELEASED_OFF,
     SLOT_STRIDE,
@@ -88,7 +87,13 @@ from ray_ple.worker.transport.cuda_host import (
     ensure_context,
     register_host,
 )
-from ray_ple.worker.transport.cuda_kernels import Kernels, PostWords, StampCheck
+from ray_ple.worker.transport.cuda_kernels import (
+    POST_THREADS,
+    POST_WORDS_BEFORE_SLOTS,
+    Kernels,
+    PostWords,
+    StampCheck,
+)
 
 if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
@@ -193,6 +198,9 @@ class CudaTransport(Transport):
             slot_stride=SLOT_STRIDE, n_slots=self._nflags, count_off=layout.count_offset,
             ids_off=layout.ids_offset)
         self._post_params: dict[tuple[int, int], object] = {}  # (ids, T) -> launch params
+        if POST_WORDS_BEFORE_SLOTS + self._nflags > POST_THREADS:
+            raise PleConfigError(f"{self._nflags} slots: the stream post reads at most "
+                                 f"{POST_THREADS - POST_WORDS_BEFORE_SLOTS}")
         self._probe()
         # the late pull: one side stream (high priority: a copy waits for no GEMM block),
         # one fork event, one completion event per slot; all for the life of the process
@@ -314,27 +322,30 @@ class CudaTransport(Transport):
 
     # the transaction ----------------------------------------------------------------------
     def check_stream_ids(self, ids: torch.Tensor) -> None:
-        """The ids a stream post reads: the model's int32 input tensor on this device."""
+        """The ids a stream post reads: the model's int32 input tensor on this device, and
+        no graph being captured (a capture is a local forward and never posts)."""
         if (ids.dtype is not torch.int32 or not ids.is_cuda or ids.get_device() != self.device
                 or ids.dim() != 1 or not ids.is_contiguous()):
             raise PleConfigError(f"a stream post reads a contiguous 1-D int32 tensor on cuda:"
                                  f"{self.device}, got {tuple(ids.shape)} {ids.dtype} on "
                                  f"{ids.device}")
+        if torch.cuda.is_current_stream_capturing():
+            raise PleConfigError("a step cannot be posted inside a CUDA graph capture")
 
     def stream_post(self, ids: torch.Tensor) -> None:
         """Enqueue `ple_post` of the announced step on the side stream, forked from the
         model stream here (after the previous release and the ids): the forward runs on
-        while the step is checked and posted; the pulls that need it wait for its rows."""
+        while the step is checked and posted; the pulls that need it wait for its rows,
+        which the offload side writes only after `posted`, so no release of this step (nor
+        the next step's ids) can overtake the post."""
         w = self.worker
-        if torch.cuda.is_current_stream_capturing():
-            self._fail(Reason.STATE, 0, f"step {w.step} posted inside a graph capture")
-        if ids.shape[0] != w.rows:
+        if ids.shape[0] != w.rows:  # a direct call out of step with `announce`
             self._fail(Reason.GEOMETRY, 0, f"stream post of {ids.shape[0]} ids, step {w.step} "
                        f"announced {w.rows}")
         d, side = driver(), self._side.cuda_stream
         check(d.cuEventRecord(self._post_fork, self._stream()), "cuEventRecord(post fork)")
         check(d.cuStreamWaitEvent(side, self._post_fork, 0), "cuStreamWaitEvent(post fork)")
-        ids.record_stream(self._side)  # read there: not reused before the post has run
+        ids.record_stream(self._side)  # a temporary (not vLLM's buffer): kept until read
         self.kernels.launch_post(self._base_dev, ids.data_ptr(), w.rows, self._post_words,
                                  side, self._post_params)
 
@@ -418,7 +429,7 @@ class CudaTransport(Transport):
         self._capture_release = True
 
     def _launch_release(self, stream: int) -> None:
-        self.kernels.launch_release(self._base_dev, self._nflags, self._flag0, LAYER_STRIDE,
+        self.kernels.launch_release(self._base_dev, self._nflags, self._flag0, SLOT_STRIDE,
                                     RELEASED_OFF, stream)
 
     @contextmanager

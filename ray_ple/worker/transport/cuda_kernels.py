@@ -22,8 +22,10 @@
   the step; it may have announced the next too, with async scheduling),
   copies T int32 ids from the model's input tensor into the mapped input slot, writes T,
   fences at system scope and stores `posted = released + 1`; on a mismatch it stores
-  STREAM_POST and FAILED and traps, as the stamp check does. Reading `released` (which the
-  stream advances) rather than a step number keeps it right when captured and replayed.
+  STREAM_POST and FAILED and traps, as the stamp check does. It compares with `released`
+  (which the stream advances), not a step number, so its launch parameters stay the same
+  from step to step (packed once per input buffer and size) and a host running ahead
+  needs no step number of the GPU's.
 
 All take raw device pointers as launch parameters; they are launched only by
 `CudaTransport`, which resolves those pointers in this process (never a compile cache).
@@ -38,7 +40,10 @@ from dataclasses import dataclass
 from ray_ple.errors import PleEnvironmentError
 from ray_ple.worker.transport.cuda_host import check, driver
 
-SOURCE = r"""
+THREADS = 256
+POST_THREADS, POST_WORDS_BEFORE_SLOTS = THREADS, 5  # ple_post: one thread per word read
+
+SOURCE = f"#define POST_THREADS {POST_THREADS}\n" + r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
@@ -123,7 +128,7 @@ struct PostWords {  // byte offsets into the control block, and the words' value
 // crosses PCIe: read one after another, they would add up on the stream's path)
 extern "C" __global__ void ple_post(unsigned char* base, const int* __restrict__ ids, u32 t,
                                     PostWords w) {
-    __shared__ u64 word[5 + 128];
+    __shared__ u64 word[POST_THREADS];
     const u32 k = threadIdx.x;
     if (k == 0) word[0] = load_cv64(base + w.released_off);
     else if (k == 1) word[1] = load_cv64(base + w.posted_off);
@@ -164,8 +169,6 @@ extern "C" __global__ void ple_release(unsigned char* base, u32 n_flags, u32 fla
 }
 """
 
-THREADS = 256
-
 
 def _nvrtc():
     try:
@@ -182,7 +185,7 @@ def compile_cubin(arch: str, source: str = SOURCE) -> bytes:
         err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"ray_ple_cuda.cu", 0, [], [])
     except Exception as exc:
         raise PleEnvironmentError(
-            f"NVRTC is not usable in this process ({exc}); the CUDA transport compiles its two "
+            f"NVRTC is not usable in this process ({exc}); the CUDA transport compiles its "
             "small kernels with it (install the nvidia-cuda-nvrtc wheel torch depends on)"
         ) from exc
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -223,13 +226,13 @@ class StampCheck:
 
 NO_CHECK = StampCheck(0, 0, 0, 0, 0, 0)
 
+
 class PostWords(ctypes.Structure):
     """`ple_post`'s word offsets and values (the kernel's `PostWords`, passed by value)."""
 
     _fields_ = [(name, ctypes.c_uint32) for name in (
         "state_off", "ready", "failed", "reason", "posted_off", "released_off",
         "announced_off", "published0_off", "slot_stride", "n_slots", "count_off", "ids_off")]
-
 
 
 class _Params:
@@ -305,5 +308,5 @@ class Kernels:
                 if len(cache) >= 512:
                     cache.clear()
                 cache[ids, t] = p
-        check(driver().cuLaunchKernel(self.post, 1, 1, 1, THREADS, 1, 1, 0, stream,
+        check(driver().cuLaunchKernel(self.post, 1, 1, 1, POST_THREADS, 1, 1, 0, stream,
                                       p.address, 0), "cuLaunchKernel(ple_post)")

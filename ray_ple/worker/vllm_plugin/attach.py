@@ -26,7 +26,7 @@ def check_engine(vllm_config: VllmConfig, settings: PleEngineSettings) -> None:
     if vllm_config.speculative_config is not None:
         raise PleConfigError("speculative decoding is not supported with PLE offload")
     if (settings.transport == "cuda" and settings.post == "host"
-            and getattr(sched, "async_scheduling", False)):
+            and sched.async_scheduling):
         raise PleConfigError("async scheduling must be off with ple.post 'host' on the cuda "
                              "transport: the worker posts ids from the host copy of the batch "
                              "(ple.post 'stream' keeps it on)")
@@ -39,4 +39,4 @@ def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worke
     return worker_pair.attach_process(
         settings.geometry, rank=worker_rank(), transport=settings.transport,
         deadlines=settings.deadlines, heartbeat_s=settings.heartbeat_interval_s,
-        post=settings.post)
+        post=settings.post_for(vllm_config.scheduler_config.async_scheduling))
