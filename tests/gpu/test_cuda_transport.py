@@ -326,61 +326,51 @@ def test_wrong_words_counts_a_single_flipped_word() -> None:
     assert int(rig.wrong_words(words, ids, cols)) == 1
 
 
-def test_rig_closed_loop_on_the_cpu_transport(ckpt: Path) -> None:
-    """The same engine loop and offload process, CPU transport, in a fresh process."""
-    code = (
-        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
-        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
-        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
-        "p = r.attach(o.handle, g, 'cpu'); "
-        f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu')); "
-        "print(json.dumps({'wrong': e.eager(200), 'c': list(p.block.counters()[::2]), "
-        "'st': o.status()})); o.close()"
-    )
+def _rig_on_cpu(body: str, ckpt: Path) -> dict:
+    """Run `body` after the rig's imports in a fresh process with no GPU; its last JSON line.
+    `body` sees `r` (cuda_rig), `torch`, `json` and `ckpt` (the checkpoint directory)."""
+    code = (f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
+            "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
+            f"ckpt = Path({str(ckpt)!r})\n" + body)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_rig_closed_loop_on_the_cpu_transport(ckpt: Path) -> None:
+    """The same engine loop and offload process, CPU transport, in a fresh process."""
+    out = _rig_on_cpu(
+        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(ckpt, g); "
+        "p = r.attach(o.handle, g, 'cpu'); "
+        f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu')); "
+        "print(json.dumps({'wrong': e.eager(200), 'c': list(p.block.counters()[::2]), "
+        "'st': o.status()})); o.close()", ckpt)
     assert out["wrong"] == 0 and out["c"] == [200, 200]
     assert out["st"]["cuda_evidence"] == [] and not out["st"]["torch_imported"]
 
 
-
 def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
     """The late stand-in and ops (5 slots) through a synchronous transport (CPU)."""
-    code = (
-        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
-        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
-        f"g = r.geometry({ROWS}, 64, {PARTS!r}); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
+    out = _rig_on_cpu(
+        f"g = r.geometry({ROWS}, 64, {PARTS!r}); o = r.OffloadProcess(ckpt, g); "
         "p = r.attach(o.handle, g, 'cpu'); "
         f"e = r.Engine(p, r.LateStandIn({ROWS}, g), 8, {ROWS}, torch.device('cpu')); "
         "print(json.dumps({'wrong': e.eager(100), 'c': [p.block.posted, p.block.released], "
-        "'slots': list(p.handle.layer_names)})); o.close()"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        "'slots': list(p.handle.layer_names)})); o.close()", ckpt)
     assert out["wrong"] == 0 and out["c"] == [100, 100]
     assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]
 
 
 def test_rig_stream_post_is_refused_on_the_cpu_transport(ckpt: Path) -> None:
     """No stream on the CPU transport: a stream step is one clear error, nothing announced."""
-    code = (
-        f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
-        "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
-        "from ray_ple.errors import PleConfigError; "
-        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(Path({str(ckpt)!r}), g); "
+    out = _rig_on_cpu(
+        "from ray_ple.errors import PleConfigError\n"
+        f"g = r.geometry({ROWS}, 64); o = r.OffloadProcess(ckpt, g); "
         "p = r.attach(o.handle, g, 'cpu'); "
         f"e = r.Engine(p, r.StandIn({ROWS}), 8, {ROWS}, torch.device('cpu'), stream=True)\n"
         "try:\n    e.eager(1); err = None\nexcept PleConfigError as x:\n    err = str(x)\n"
         "print(json.dumps({'err': err, 'words': [p.block.announced, p.block.posted], "
-        "'phase': p.worker.phase.value, 'st': o.status()['state']})); o.close()"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        "'phase': p.worker.phase.value, 'st': o.status()['state']})); o.close()", ckpt)
     assert "cannot post a step from a stream" in out["err"]
     assert out["words"] == [0, 0] and out["phase"] == "idle" and out["st"] == "READY"
