@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -153,8 +154,15 @@ def unannounced_post(p: Pair) -> None:
 def announced_never_posted(p: Pair) -> None:
     end = p.offload()
     w = p.worker()
-    w.announce(1)  # the stream is to post step 1, and never does
+    w.announce(1)  # the stream is to post step 1, and never does; the worker lives on
     assert end.next_step() is None
+
+    def beat() -> None:
+        while True:
+            p.block.beat(Side.WORKER, time.monotonic_ns())
+            time.sleep(0.01)
+
+    threading.Thread(target=beat, daemon=True).start()
     end.await_post()
 
 
