@@ -392,7 +392,6 @@ class OffloadEnd:
         """A step is announced but not yet posted (the GPU stream posts it): spin for it,
         never sleep; beyond `step_s` the stream is stuck and the replica ends."""
         b, last = self.block, self.last
-
         due = [0]
 
         def stop() -> bool:  # beat and watch every ms while spinning (a dead worker's step
