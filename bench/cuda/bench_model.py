@@ -19,7 +19,10 @@ Variants (where the rows come from, and when the model waits for them):
             0, each part's `ray_ple::pull_wait` just before its first layer's gate; the
             worker posts, then launches (the vLLM hook's order)
     L_lf    the same, launched first, then posted (the host post overlaps the GPU)
-    L_sp    the same, posted by the stream (`WorkerPair.stream_step`: the host announces
+    L_in    (`--extra inline`) the pulls of vLLM's late Gemma 4 class: each part waited for
+            and copied on the model stream at its first layer (`ray_ple::pull`), no side
+            stream; `L_in_sp` the same posted by the stream
+    L_sp    the same as L, posted by the stream (`WorkerPair.stream_step`: the host announces
             and enqueues `ple_post`, which writes the step's ids from the GPU's own ids
             tensor and advances `posted`; then the launch; the host never reads the ids)
 
@@ -137,6 +140,21 @@ class Late:
 
     def check(self, buf: Any, ids: torch.Tensor) -> torch.Tensor:
         return self.m.check(buf, ids)
+
+
+class Inline(Late):
+    """L_in: the pulls of vLLM's late Gemma 4 class (`ray_ple::pull_part`): each part waited
+    for and copied on the model stream at its first layer, nothing started earlier (what a
+    piecewise CUDA graph can capture); no side stream."""
+
+    def start(self, ids: torch.Tensor) -> Any:
+        return self.m.buffers(ids)
+
+    def layer(self, buf: Any, layer: int) -> torch.Tensor:
+        p, k = self.at[layer]
+        if k == 0:
+            torch.ops.ray_ple.pull(buf[p], self.m.slots[p][0])
+        return buf[p][:, k * D:(k + 1) * D]
 
 
 def parse_split(spec: str) -> tuple[int, ...]:
@@ -527,9 +545,14 @@ class Bench:
             runs.append(("L", main_stack, self.pairs[main, t > 256], main))
             runs.append(("L_lf", main_stack, self.pairs[main, t > 256], main))
             runs.append(("L_sp", main_stack, self.pairs[main, t > 256], main))
+            if "inline" in a.extra:
+                inline = Stack(self.weights, Inline(self.late_source(main, indexed=True).m),
+                               self.rows)
+                runs += [("L_in", inline, self.pairs[main, t > 256], main),
+                         ("L_in_sp", inline, self.pairs[main, t > 256], main)]
             if "ahead" in a.extra:
                 runs += [(f"{name}_as", model, pair, sp) for name, model, pair, sp in runs
-                         if name in ("A", "B", "L_sp")]
+                         if name in ("A", "B", "L_sp", "L_in_sp")]
             for sp in self.splits():
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
@@ -537,7 +560,7 @@ class Bench:
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
                     self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
-                                 stream=name.startswith("L_sp"), ahead=name.endswith("_as"),
+                                 stream="_sp" in name, ahead=name.endswith("_as"),
                                  parts=sp, round=r)
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
@@ -674,7 +697,8 @@ def main() -> None:
     ap.add_argument("--gather-threads", type=int, default=1, help="offload, T <= 256")
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
-    ap.add_argument("--extra", default="", help="comma list: ahead (A_as, B_as, L_sp_as: async "
+    ap.add_argument("--extra", default="", help="comma list: inline (L_in, L_in_sp), ahead "
+                    "(A_as, B_as, L_sp_as, L_in_sp_as: async "
                     "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")

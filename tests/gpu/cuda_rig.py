@@ -223,11 +223,17 @@ class LateStandIn(torch.nn.Module):
         self.mix = torch.nn.Parameter(torch.randn(128, 16, generator=gen), requires_grad=False)
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
+        buf = self.buffers(ids)
+        for (name, _, _), view in zip(self.slots, buf, strict=True):
+            torch.ops.ray_ple.pull_async(view, name)
+        return buf
+
+    def buffers(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
+        """Every part's `[T, width]` buffer (one tensor, or views of one flat buffer)."""
         t = ids.shape[0]
         if self.equal:
             buf = torch.empty((len(self.slots), t, self.part_words * 2),
                               dtype=torch.bfloat16, device=ids.device)
-            parts = list(buf)
         else:
             buf = PartBuffers()
             buf.flat = torch.empty(t * self.words * 2, dtype=torch.bfloat16, device=ids.device)
@@ -235,9 +241,6 @@ class LateStandIn(torch.nn.Module):
             for w in self.widths:
                 buf.append(buf.flat[at:at + t * w * 2].view(t, w * 2))
                 at += t * w * 2
-            parts = buf
-        for (name, _, _), view in zip(self.slots, parts, strict=True):
-            torch.ops.ray_ple.pull_async(view, name)
         return buf
 
     def wait(self, buf: torch.Tensor | PartBuffers, p: int) -> None:
