@@ -9,6 +9,7 @@ the unoffloaded reference, and the tiny Gemma 3n of `serve_configs/gemma3n-tiny-
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -91,6 +92,24 @@ def test_chat_and_streaming(served):
     # Ray Serve LLM batches stream chunks by time: under load 8 tokens may come in fewer pieces
     assert len(chunks) >= 2, chunks
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+
+
+def test_the_applications_env_vars_reach_every_engine(served):
+    """`runtime_env.env_vars` of the application (ple.yaml: `VLLM_CPU_KVCACHE_SPACE`) are in
+    every engine worker's environment, offloaded or not; ray-ple's own are added, not swapped
+    in (Ray Serve LLM lays a model's `runtime_env` over the application's key by key)."""
+    app_env = load_config()["applications"][0]["runtime_env"]["env_vars"]
+    workers = {}
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == "VLLM::Worker":
+            with contextlib.suppress(psutil.Error):
+                workers[p.pid] = p.environ()
+    offloaded = [pid for pid, env in workers.items() if "RAY_PLE_PAIRS" in env]
+    assert len(offloaded) == 3 and len(workers) == 4, workers.keys()  # 2 + gemma3n; plain
+    for pid, env in workers.items():
+        assert {k: env.get(k) for k in app_env} == app_env, (pid, pid in offloaded)
+        if pid in offloaded:
+            assert env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
 
 
 def test_two_replicas_share_one_host_table(served):

@@ -121,6 +121,20 @@ def validate_args(args: PleAppArgs | dict[str, Any]) -> list[tuple[Any, PleConfi
     return out
 
 
+def application_env_vars() -> dict[str, str]:
+    """The application's `runtime_env.env_vars` (the build task runs in it; none outside Ray).
+
+    Ray Serve LLM merges a model's `runtime_env` over the application's one key at a time, so
+    the `env_vars` ray-ple sets would otherwise drop the user's (e.g. `VLLM_CPU_KVCACHE_SPACE`)
+    from the offloaded replica alone.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    return dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
+
+
 def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
     from ray.serve.llm import LLMConfig
@@ -139,7 +153,8 @@ def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     plan = plan_offload(checkpoint, ple, llm.engine_kwargs, transport)
     _check_server_cls(llm)
     runtime_env = dict(fields.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **plan.env}
+    runtime_env["env_vars"] = {**application_env_vars(), **(runtime_env.get("env_vars") or {}),
+                               **plan.env}
     server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
                              transport=transport, world_size=plan.world_size,
                              geometry=plan.geometry, sources=plan.sources)

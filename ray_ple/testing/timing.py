@@ -12,16 +12,22 @@ the worker's and the offload actor's stamps subtract directly. The events, in st
                                               rows copied
 
 A benchmark reads them with `drain()` in each process (`LLM.collective_rpc` for the worker,
-`actor.__ray_call__` for the offload actor) and joins them by time.
+`actor.__ray_call__` for the offload actor) and joins them by time. Where no call reaches the
+process (a Serve replica's engine), `RAY_PLE_TIMING_DIR` makes each process append its events
+to `<dir>/timing-<pid>.jsonl` from a daemon thread, once a second.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
 from collections import deque
 
 ENV = "RAY_PLE_TIMING"
 ENABLED: bool = os.environ.get(ENV) == "1"
+SINK_ENV = "RAY_PLE_TIMING_DIR"
 RING_EVENTS = 1 << 16
 
 _RING: deque[tuple[object, ...]] = deque(maxlen=RING_EVENTS)
@@ -40,3 +46,24 @@ def drain(*_ignored: object) -> list[tuple[object, ...]]:
             out.append(_RING.popleft())
         except IndexError:
             return out
+
+
+def _sink(directory: str) -> None:
+    path = os.path.join(directory, f"timing-{os.getpid()}.jsonl")
+    while True:
+        time.sleep(1.0)
+        if events := drain():
+            with open(path, "a") as f:
+                f.writelines(json.dumps(ev) + "\n" for ev in events)
+
+
+def _start_sink() -> None:
+    """One sink thread per process: started at import, and again in each forked child."""
+    _RING.clear()
+    threading.Thread(target=_sink, args=(os.environ[SINK_ENV],), name="ray-ple-timing-sink",
+                     daemon=True).start()
+
+
+if ENABLED and os.environ.get(SINK_ENV):
+    _start_sink()
+    os.register_at_fork(after_in_child=_start_sink)
