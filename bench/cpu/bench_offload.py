@@ -135,9 +135,9 @@ def _install_step_clock(worker: Any) -> None:
         setattr(runner, name, stamp(kind, getattr(runner, name)))
     lookups = {id(m): m for n, m in runner.model.named_modules()
                if n.endswith("embed_tokens_per_layer")}
-    late = runner.model.model if hasattr(runner.model.model, "_pull_part") else None
+    late = runner.model.model if hasattr(runner.model.model, "_join_part") else None
     if late is not None:  # the late pull: each part's wait and copy, at its first layer
-        late._pull_part = stamp("lookup", late._pull_part)
+        late._join_part = stamp("lookup", late._join_part)
     else:
         for module in lookups.values():  # the PLE lookup: vLLM's embedding, or the early pull
             module.forward = stamp("lookup", module.forward)

@@ -19,9 +19,9 @@ Variants (where the rows come from, and when the model waits for them):
             0, each part's `ray_ple::pull_wait` just before its first layer's gate; the
             worker posts, then launches (the vLLM hook's order)
     L_lf    the same, launched first, then posted (the host post overlaps the GPU)
-    L_in    (`--extra inline`) the pulls of vLLM's late Gemma 4 class: each part waited for
-            and copied on the model stream at its first layer (`ray_ple::pull`), no side
-            stream; `L_in_sp` the same posted by the stream
+    L_in    (`--extra inline`) the pulls of vLLM's late Gemma 4 class under piecewise CUDA
+            graphs: each part waited for and copied on the model stream at its first layer
+            (`ray_ple::pull`), no side stream; `L_in_sp` the same posted by the stream
     L_sp    the same as L, posted by the stream (`WorkerPair.stream_step`: the host announces
             and enqueues `ple_post`, which writes the step's ids from the GPU's own ids
             tensor and advances `posted`; then the launch; the host never reads the ids)
@@ -143,9 +143,9 @@ class Late:
 
 
 class Inline(Late):
-    """L_in: the pulls of vLLM's late Gemma 4 class (`ray_ple::pull_part`): each part waited
-    for and copied on the model stream at its first layer, nothing started earlier (what a
-    piecewise CUDA graph can capture); no side stream."""
+    """L_in: the pulls of vLLM's late Gemma 4 class under piecewise CUDA graphs (and of the
+    class before the split pulls): each part waited for and copied on the model stream at
+    its first layer, nothing started earlier; no side stream."""
 
     def start(self, ids: torch.Tensor) -> Any:
         return self.m.buffers(ids)

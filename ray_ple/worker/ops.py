@@ -1,9 +1,9 @@
 """The pull ops, each resolving this process's pair by slot name on every call:
 
     pull(Tensor(a!) out, str layer_name)                  the rows of a slot, now
-    pull_part(Tensor(a!) out, Tensor after, str slot)     the same, ordered after `after`
-    pull_async(Tensor(a!) out, str slot) / pull_wait(..)  start a slot's pull (CUDA: on a side
-                                                          stream), join it before first use
+    pull_async(Tensor(a!) out, str slot)                  start a slot's pull (CUDA: on a
+                                                          side stream; CPU: nothing yet)
+    pull_wait(Tensor(a!) out, Tensor after, str slot)     join it, ordered after `after`
 
 Arguments are only process-stable values: the output buffer (its row count is T) and the
 slot's name (a table's name, or `table#p` for part p, `PleGeometry.slots`). The live segment,
@@ -13,16 +13,24 @@ process that compiled it.
 
 `pull_async`/`pull_wait` split one pull so that a model (or the CUDA bench's stand-in) can
 start every part at the top of its forward and join each just before its layer; both mutate
-`out`, so a tracer keeps them in order. A synchronous transport (CPU) pulls in `pull_async`.
+`out`, so a tracer keeps them in order. The CPU transport has nothing to start: it waits and
+copies in `pull_wait`, on the engine thread, as late as the model asks.
 
-`pull_part` is the late wait: `after` (read, never written) is a tensor the layer computes
-just before it needs the part (its PLE gate's matmul). Nothing in a graph orders an op
-whose only input is a fresh buffer, so a compiler may hoist such a pull to the top of the
-graph, where it waits for rows that are still being gathered; the data dependence on
+`after` is the late wait's anchor: a tensor the layer computes just before it needs the
+part (its PLE gate's matmul), read, never written. Nothing in a graph orders an op whose
+only input is the buffer `pull_async` wrote, so a compiler may hoist a join to the top of
+the graph, where it waits for rows that are still being gathered; the data dependence on
 `after` keeps the wait where the model put it.
+
+Piecewise CUDA graphs (vLLM's mode for mixed prefill batches) capture the forward in
+pieces, and a fork in one piece cannot be joined in another: in such a forward (asked of the
+probe the model class installs, `set_piecewise_probe`) `pull_async` starts nothing and
+`pull_wait` pulls in stream order, waiting for and copying the part where it is needed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,9 +38,16 @@ from ray_ple.worker import pair as worker_pair
 
 _LIB = torch.library.Library("ray_ple", "DEF")
 _LIB.define("pull(Tensor(a!) out, str layer_name) -> ()")
-_LIB.define("pull_part(Tensor(a!) out, Tensor after, str slot_name) -> ()")
 _LIB.define("pull_async(Tensor(a!) out, str layer_name) -> ()")
-_LIB.define("pull_wait(Tensor(a!) out, str layer_name) -> ()")
+_LIB.define("pull_wait(Tensor(a!) out, Tensor after, str layer_name) -> ()")
+
+_piecewise: Callable[[], bool] = lambda: False  # noqa: E731 - no vLLM: never piecewise
+
+
+def set_piecewise_probe(probe: Callable[[], bool]) -> None:
+    """Install `probe()`: is the forward running now captured or replayed piece by piece?"""
+    global _piecewise
+    _piecewise = probe
 
 
 def _pull(out: torch.Tensor, layer_name: str) -> None:
@@ -43,33 +58,29 @@ def _pull_fake(out: torch.Tensor, layer_name: str) -> None:
     return None
 
 
-def _pull_part(out: torch.Tensor, after: torch.Tensor, slot_name: str) -> None:
-    worker_pair.pull(slot_name, out)
-
-
-def _pull_part_fake(out: torch.Tensor, after: torch.Tensor, slot_name: str) -> None:
-    return None
-
-
 def _pull_async(out: torch.Tensor, layer_name: str) -> None:
+    if _piecewise():
+        return  # nothing to start: the join pulls in stream order
     pair, index = worker_pair.resolve(layer_name)
     pair.pull_async(index, out)
 
 
-def _pull_wait(out: torch.Tensor, layer_name: str) -> None:
+def _pull_wait(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
     pair, index = worker_pair.resolve(layer_name)
-    pair.pull_wait(index, out)
+    (pair.pull if _piecewise() else pair.pull_wait)(index, out)
+
+
+def _pull_wait_fake(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
+    return None
 
 
 for _key in ("CPU", "CUDA"):
     _LIB.impl("pull", _pull, _key)
-    _LIB.impl("pull_part", _pull_part, _key)
     _LIB.impl("pull_async", _pull_async, _key)
     _LIB.impl("pull_wait", _pull_wait, _key)
 torch.library.register_fake("ray_ple::pull", _pull_fake, lib=_LIB)
-torch.library.register_fake("ray_ple::pull_part", _pull_part_fake, lib=_LIB)
 torch.library.register_fake("ray_ple::pull_async", _pull_fake, lib=_LIB)
-torch.library.register_fake("ray_ple::pull_wait", _pull_fake, lib=_LIB)
+torch.library.register_fake("ray_ple::pull_wait", _pull_wait_fake, lib=_LIB)
 
 
 def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
@@ -80,10 +91,15 @@ def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
     return out
 
 
-def pull_part_rows(slot_name: str, after: torch.Tensor, row_elems: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """One slot's rows of the step, `T x row_elems` (T = `after.shape[0]`), pulled after
-    `after` is computed (the late wait)."""
-    out = torch.empty((after.shape[0], row_elems), dtype=dtype, device=after.device)
-    torch.ops.ray_ple.pull_part(out, after, slot_name)
+def start_part(slot_name: str, num_tokens: int | torch.SymInt, row_elems: int,
+               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Start one slot's rows of the step, `num_tokens x row_elems`; `join_part` before use."""
+    out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
+    torch.ops.ray_ple.pull_async(out, slot_name)
+    return out
+
+
+def join_part(slot_name: str, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The late wait: `out` (from `start_part`) holds the step's rows once `after` exists."""
+    torch.ops.ray_ple.pull_wait(out, after, slot_name)
     return out

@@ -221,6 +221,7 @@ class LateStandIn(torch.nn.Module):
         self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         gen = torch.Generator().manual_seed(0)
         self.mix = torch.nn.Parameter(torch.randn(128, 16, generator=gen), requires_grad=False)
+        self.register_buffer("anchor", torch.zeros(1), persistent=False)
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
         buf = self.buffers(ids)
@@ -244,7 +245,8 @@ class LateStandIn(torch.nn.Module):
         return buf
 
     def wait(self, buf: torch.Tensor | PartBuffers, p: int) -> None:
-        torch.ops.ray_ple.pull_wait(buf[p], self.slots[p][0])
+        """Join part p (anchored on a buffer of its own: no compiler reorders this model)."""
+        torch.ops.ray_ple.pull_wait(buf[p], self.anchor, self.slots[p][0])
 
     def index_maps(self, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, column) of every word of the flat buffer at `t` tokens; built on the first

@@ -296,6 +296,28 @@ def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
 
 
 @needs_cuda
+def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
+        late, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under vLLM's piecewise graphs a fork could not be joined in a later piece: with the
+    piecewise probe up, `pull_async` starts nothing and `pull_wait` waits and copies on the
+    model stream, eager and captured (no side-stream copy in the graph), rows verified."""
+    from ray_ple.worker import ops
+
+    _, pair, geo = late
+    monkeypatch.setattr(ops, "_piecewise", lambda: True)
+    before = pair.block.posted
+    with rig.registered(pair):
+        assert _late_engine(pair, geo, 8, seed=400).eager(100) == 0
+        graph = _late_engine(pair, geo, 8, seed=401).capture(False)
+    assert [(c.layer, c.late) for c in graph.record.copies] == [
+        (i, False) for i in range(len(PARTS))]
+    assert graph.run(300) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 400, before + 400,
+                                                        {before + 400})
+
+
+@needs_cuda
 @pytest.mark.parametrize("mode", ["early", "late"])
 def test_stale_step_stamp_fails_closed_on_the_gpu(ckpt: Path, tmp_path: Path, mode: str) -> None:
     """A slot stamped with another step: the copy traps after writing the reason word and

@@ -44,19 +44,20 @@ class Transport(ABC):
     def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
         """A dummy/profile/capture forward: rows come from here, counters do not move."""
 
-    def pull_async(self, layer: int, out: torch.Tensor) -> None:
+    def pull_async(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027 - optional
         """Start `layer`'s pull; `pull_wait` joins it just before the rows are read. A
-        synchronous transport (CPU) pulls here and waits for nothing later."""
+        synchronous transport (CPU) starts nothing: its join waits and copies."""
+
+    def pull_wait(self, layer: int, out: torch.Tensor) -> None:
+        """`layer`'s rows of the step are in `out` once this returns (in consumer order)."""
         self.pull(layer, out)
 
-    def pull_wait(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027 - optional
-        """The consumer waits for `pull_async(layer, out)` to have landed."""
+    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027
+        """`pull_async` in a local forward."""
 
-    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
-        self.satisfy_locally(layer, out)
-
-    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027
+    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
         """`pull_wait` in a local forward."""
+        self.satisfy_locally(layer, out)
 
     def check_stream_ids(self, ids: torch.Tensor) -> None:
         """Refuse, before anything is announced, ids a stream post could not read."""

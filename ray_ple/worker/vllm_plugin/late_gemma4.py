@@ -13,12 +13,16 @@ and moves the rest of the combine of layer l to layer l's gate:
               settle(c_l)                                   # stored in bf16, as vLLM's is
               PLE gate with c_l, layer scalar (vLLM's code)
 
-`rows_for_layer(l)` pulls the part that holds layer l the first time one of its layers asks,
-then slices it. A part is one slot of the pair (`ple.parts`, `PleGeometry.slots`: consecutive
-layers, one flag each, raised by the offload side as soon as its rows are written), pulled
-with `ray_ple::pull_part(out, after, slot_name)`; `after` is the asking layer's gate matmul
-output, so that no compiler can hoist the wait above the layers it is meant to overlap. With
-one part (`ple.parts: 1`) the whole row is waited for at layer 0's gate.
+Each part is one slot of the pair (`ple.parts`, `PleGeometry.slots`: consecutive layers, one
+flag each, raised by the offload side as soon as its rows are written). Every part's pull is
+started right after the projection (`ray_ple::pull_async`: on CUDA the side stream waits for
+the flag and copies while the layers run; on CPU nothing yet) and joined at the gate of its
+first layer (`ray_ple::pull_wait(out, after, slot)`: the model stream waits for the copy; on
+CPU the engine thread waits for the flag and copies). `after` is that gate's matmul output,
+so that no compiler can hoist the join above the layers it is meant to overlap. Under
+piecewise CUDA graphs a fork cannot be joined in another piece, so there the join itself
+waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
+whole row is joined at layer 0's gate.
 
 Arithmetic: norm and combine are per row of d and elementwise, so computing them per layer
 slice gives each element the same operations in the same order on the same dtypes (the
@@ -53,7 +57,9 @@ from vllm.model_executor.models.gemma4 import (
 from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
-from ray_ple.worker.ops import pull_part_rows
+from vllm.forward_context import in_piecewise_cudagraph
+
+from ray_ple.worker import ops
 from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
 
 # sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_late_layer_forward` and
@@ -77,6 +83,7 @@ def _settle(x: torch.Tensor) -> None:
 for _key in ("CPU", "CUDA"):
     _LIB.impl("settle", _settle, _key)
 torch.library.register_fake("ray_ple::settle", _settle, lib=_LIB)
+ops.set_piecewise_probe(in_piecewise_cudagraph)
 
 
 def _fingerprint(fn: Callable[..., object]) -> str:
@@ -159,20 +166,27 @@ class LateGemma4Model(Gemma4Model):
         self.late_slot_elems = tuple(s.row_elems for s in slots)
         self.late_part_of = tuple(p for p, r in enumerate(parts) for _ in r)
 
-    def _pull_part(self, part: int, after: torch.Tensor) -> torch.Tensor:
+    def start_parts(self, num_tokens: int | torch.SymInt,
+                    device: torch.device) -> list[torch.Tensor]:
+        """Every part's buffer of the step, its pull started (joined by `rows_for_layer`)."""
+        return [ops.start_part(name, num_tokens, elems, self.embed_tokens_per_layer.dtype,
+                               device)
+                for name, elems in zip(self.late_slot_names, self.late_slot_elems, strict=True)]
+
+    def _join_part(self, part: int, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """`T x (len(part) * d)` raw rows of one part, waited for once `after` exists."""
-        return pull_part_rows(self.late_slot_names[part], after, self.late_slot_elems[part],
-                              self.embed_tokens_per_layer.dtype)
+        return ops.join_part(self.late_slot_names[part], out, after)
 
     def rows_for_layer(self, layer_idx: int, after: torch.Tensor,
-                       pulled: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Layer `layer_idx`'s `T x d` raw rows; its part is pulled on the first ask."""
+                       parts: list[torch.Tensor], joined: set[int]) -> torch.Tensor:
+        """Layer `layer_idx`'s `T x d` raw rows; its part is joined on the first ask."""
         part = self.late_part_of[layer_idx]
-        if part not in pulled:
-            pulled[part] = self._pull_part(part, after)
+        if part not in joined:
+            joined.add(part)
+            parts[part] = self._join_part(part, parts[part], after)
         d = self.hidden_size_per_layer_input
         k = layer_idx - self.late_parts[part].start
-        return pulled[part][:, k * d:(k + 1) * d]
+        return parts[part][:, k * d:(k + 1) * d]
 
     def scaled_projection(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
         """Steps 1-3 of vLLM's `project_per_layer_inputs`: `[T, L, d]`, not yet normed."""
@@ -186,7 +200,7 @@ class LateGemma4Model(Gemma4Model):
                                             self.hidden_size_per_layer_input)
 
     def combine(self, layer_idx: int, projection: torch.Tensor, after: torch.Tensor,
-                pulled: dict[int, torch.Tensor]) -> torch.Tensor:
+                parts: list[torch.Tensor], joined: set[int]) -> torch.Tensor:
         """Steps 4-5 of vLLM's `project_per_layer_inputs` on layer `layer_idx`'s slice.
 
         The norm runs here, not up front, so that under piecewise graphs only the
@@ -195,7 +209,7 @@ class LateGemma4Model(Gemma4Model):
         """
         dec = self.self_decoder
         normed = dec.per_layer_projection_norm(projection[:, layer_idx, :])
-        rows = self.rows_for_layer(layer_idx, after, pulled)
+        rows = self.rows_for_layer(layer_idx, after, parts, joined)
         ple = rows * dec.embed_scale_per_layer
         combined = (normed + ple) * dec.per_layer_input_scale
         torch.ops.ray_ple.settle(combined)
@@ -216,14 +230,16 @@ class LateGemma4Model(Gemma4Model):
                                    per_layer_inputs, **kwargs)
         hidden_states = self.embed_input_ids(input_ids)
         projection = self.scaled_projection(hidden_states)
-        pulled: dict[int, torch.Tensor] = {}
+        parts = (self.start_parts(hidden_states.shape[0], hidden_states.device)
+                 if projection is not None else [])
+        joined: set[int] = set()
         residual = None
         aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)
         for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer)):
             layer_idx = self.start_layer + idx
 
             def per_layer_input(after: torch.Tensor, layer_idx: int = layer_idx) -> torch.Tensor:
-                return self.combine(layer_idx, projection, after, pulled)
+                return self.combine(layer_idx, projection, after, parts, joined)
 
             hidden_states, residual = _late_layer_forward(
                 layer, positions, hidden_states, residual,
