@@ -16,6 +16,11 @@ also records each side served alone, one after the other.
 
     python bench/cpu/bench_serve.py --out bench/cpu/results/<run> --rounds 7
 
+With `--timing`, both applications run with `RAY_PLE_TIMING=1` and a file sink
+(`RAY_PLE_TIMING_DIR`, ray_ple.testing.timing): the served pair's post, doorbell wake-up,
+gather and pull are stamped in the real replica and joined per step into `handoff.json`
+(the same table as `bench_offload.py`'s).
+
 This is a benchmark, not a test: it asserts nothing about time.
 """
 
@@ -138,6 +143,21 @@ def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name])
 
 
+def served_handoff(timing_dir: Path) -> list[dict[str, Any]]:
+    """Per T, the served pair's hand-off stages (bench_offload's table), from the event files
+    of the worker (posts, pulls) and of the offload actor (wake-ups, gathers)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_offload import handoff_table, join_steps
+
+    worker: list[list[Any]] = []
+    offload: list[list[Any]] = []
+    for f in sorted(timing_dir.glob("timing-*.jsonl")):
+        events = [json.loads(line) for line in f.read_text().splitlines()]
+        kinds = {e[0] for e in events}
+        (worker if "post" in kinds else offload if "gather" in kinds else []).extend(events)
+    return [row for row in handoff_table(join_steps(worker, offload)) if row["steps"] >= 20]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -150,6 +170,8 @@ def main() -> None:
                     "once per side, one after the other)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra env var for both applications' replicas")
+    ap.add_argument("--timing", action="store_true",
+                    help="stamp the served pair's hand-off (handoff.json; slows it slightly)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(ENV)
@@ -161,6 +183,10 @@ def main() -> None:
     model = entry["model_loading_config"]["model_id"]
     tokenizer = resolve(entry["model_loading_config"]["model_source"])
     extra = dict(kv.split("=", 1) for kv in a.env)
+    timing_dir = a.out / "timing"  # each process's events (.gitignore)
+    if a.timing:
+        timing_dir.mkdir(exist_ok=True)
+        extra.update(RAY_PLE_TIMING="1", RAY_PLE_TIMING_DIR=str(timing_dir))
     cfg_path = a.out / "serve_config.yaml"
     sides = (a.only,) if a.only else SIDES
     cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra, sides), sort_keys=False))
@@ -214,6 +240,10 @@ def main() -> None:
         if len(sides) == 2:
             summary[m]["median_ratio"] = statistics.median(r["ratio"][m] for r in rows)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if a.timing:
+        table = served_handoff(timing_dir)
+        (a.out / "handoff.json").write_text(json.dumps(table, indent=1))
+        summary["handoff"] = table
     print(json.dumps({"event": "summary", **summary}, indent=1))
 
 
