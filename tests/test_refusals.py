@@ -85,3 +85,20 @@ def test_who_posts_follows_the_transport_and_the_engine_scheduling():
     assert cpu.settings.post == "host" and cpu.settings.post_for(True) == "host"
     with pytest.raises(PleConfigError, match="needs the cuda transport"):
         plan_offload(ckpt, PleConfig(post="stream"), {}, "cpu")
+
+
+def test_env_vars_of_every_user_layer_kept_and_a_conflicting_one_refused():
+    """A plain replica gets the deployment's and the model's env vars: so does an offloaded
+    one, with ray-ple's own added; a user value for a variable ray-ple must set is one error
+    at build time (the application's own layer is checked in tests/test_serve.py)."""
+    llm = _args()["llm_configs"][0]
+    llm["deployment_config"]["ray_actor_options"] = {
+        "num_cpus": 0.25, "runtime_env": {"env_vars": {"FROM_DEPLOYMENT": "1", "BOTH": "d"}}}
+    llm["runtime_env"] = {"env_vars": {"FROM_MODEL": "2", "BOTH": "m"}}
+    env = offload_llm_config(llm).runtime_env["env_vars"]
+    assert {k: env.get(k) for k in ("FROM_DEPLOYMENT", "FROM_MODEL", "BOTH")} == {
+        "FROM_DEPLOYMENT": "1", "FROM_MODEL": "2", "BOTH": "m"}
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    llm["runtime_env"]["env_vars"]["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    with pytest.raises(PleConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        offload_llm_config(llm)

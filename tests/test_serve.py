@@ -100,9 +100,9 @@ def test_the_applications_env_vars_reach_every_engine(served):
     in (Ray Serve LLM lays a model's `runtime_env` over the application's key by key)."""
     app_env = load_config()["applications"][0]["runtime_env"]["env_vars"]
     workers = {}
-    for p in psutil.process_iter(["name"]):
-        if p.info["name"] == "VLLM::Worker":
-            with contextlib.suppress(psutil.Error):
+    for p in psutil.Process(served.proc.pid).children(recursive=True):  # this run's only
+        with contextlib.suppress(psutil.Error):
+            if p.name() == "VLLM::Worker":
                 workers[p.pid] = p.environ()
     offloaded = [pid for pid, env in workers.items() if "RAY_PLE_PAIRS" in env]
     assert len(offloaded) == 3 and len(workers) == 4, workers.keys()  # 2 + gemma3n; plain

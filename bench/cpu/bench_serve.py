@@ -19,7 +19,7 @@ also records each side served alone, one after the other.
 With `--timing`, both applications run with `RAY_PLE_TIMING=1` and a file sink
 (`RAY_PLE_TIMING_DIR`, ray_ple.testing.timing): the served pair's post, doorbell wake-up,
 gather and pull are stamped in the real replica and joined per step into `handoff.json`
-(the same table as `bench_offload.py`'s).
+(the same table as `bench_offload.py`'s; one part per row, as the shipped tiny model has).
 
 This is a benchmark, not a test: it asserts nothing about time.
 """
@@ -27,11 +27,13 @@ This is a benchmark, not a test: it asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -152,9 +154,18 @@ def served_handoff(timing_dir: Path) -> list[dict[str, Any]]:
     worker: list[list[Any]] = []
     offload: list[list[Any]] = []
     for f in sorted(timing_dir.glob("timing-*.jsonl")):
-        events = [json.loads(line) for line in f.read_text().splitlines()]
+        events = []
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line cut by the process's end
+                events.append(json.loads(line))
         kinds = {e[0] for e in events}
         (worker if "post" in kinds else offload if "gather" in kinds else []).extend(events)
+    # a side stopped mid-step leaves one side's last events unmatched: steps both saw only
+    pulls = [i for i, e in enumerate(worker) if e[0] == "pull"]
+    gathers = [i for i, e in enumerate(offload) if e[0] == "gather"]
+    n = min(len(pulls), len(gathers))
+    worker = worker[:pulls[n - 1] + 1] if n else []
+    offload = offload[:gathers[n - 1] + 1] if n else []
     return [row for row in handoff_table(join_steps(worker, offload)) if row["steps"] >= 20]
 
 
@@ -183,9 +194,10 @@ def main() -> None:
     model = entry["model_loading_config"]["model_id"]
     tokenizer = resolve(entry["model_loading_config"]["model_source"])
     extra = dict(kv.split("=", 1) for kv in a.env)
-    timing_dir = a.out / "timing"  # each process's events (.gitignore)
+    timing_dir = a.out.resolve() / "timing"  # each process's events (.gitignore)
     if a.timing:
-        timing_dir.mkdir(exist_ok=True)
+        shutil.rmtree(timing_dir, ignore_errors=True)
+        timing_dir.mkdir()
         extra.update(RAY_PLE_TIMING="1", RAY_PLE_TIMING_DIR=str(timing_dir))
     cfg_path = a.out / "serve_config.yaml"
     sides = (a.only,) if a.only else SIDES
@@ -225,6 +237,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({"event": "round", **row}), flush=True)
     finally:
+        if a.timing:
+            time.sleep(2.5)  # every process's sink writes its last second out
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
             try:

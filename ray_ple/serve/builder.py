@@ -135,6 +135,22 @@ def application_env_vars() -> dict[str, str]:
     return dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
 
 
+def engine_env_vars(fields: dict[str, Any], model_env: dict[str, str],
+                    ours: dict[str, str]) -> dict[str, str]:
+    """The offloaded replica's env vars: the application's, then the deployment's
+    `ray_actor_options`, then the model's `runtime_env`, then ray-ple's own, each layer over
+    the last (what a plain replica gets, plus ours); a user value ray-ple must set otherwise
+    is refused."""
+    actor_opts = (fields.get("deployment_config") or {}).get("ray_actor_options") or {}
+    user = {**application_env_vars(),
+            **((actor_opts.get("runtime_env") or {}).get("env_vars") or {}), **model_env}
+    clash = {k: v for k, v in user.items() if k in ours and str(v) != ours[k]}
+    if clash:
+        raise PleConfigError(f"env vars {clash} conflict with PLE offload, which sets "
+                             f"{ {k: ours[k] for k in clash} }")
+    return {**user, **ours}
+
+
 def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
     from ray.serve.llm import LLMConfig
@@ -153,8 +169,7 @@ def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     plan = plan_offload(checkpoint, ple, llm.engine_kwargs, transport)
     _check_server_cls(llm)
     runtime_env = dict(fields.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**application_env_vars(), **(runtime_env.get("env_vars") or {}),
-                               **plan.env}
+    runtime_env["env_vars"] = engine_env_vars(fields, runtime_env.get("env_vars") or {}, plan.env)
     server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
                              transport=transport, world_size=plan.world_size,
                              geometry=plan.geometry, sources=plan.sources)

@@ -19,6 +19,7 @@ to `<dir>/timing-<pid>.jsonl` from a daemon thread, once a second.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -48,20 +49,31 @@ def drain(*_ignored: object) -> list[tuple[object, ...]]:
             return out
 
 
-def _sink(directory: str) -> None:
-    path = os.path.join(directory, f"timing-{os.getpid()}.jsonl")
+def _flush(path: str) -> None:
+    """Append what the ring holds to `path` (whole lines; errors dropped: a bench aid)."""
+    if events := drain():
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(ev) + "\n" for ev in events))
+        except OSError:
+            pass
+
+
+def _sink(path: str) -> None:
     while True:
         time.sleep(1.0)
-        if events := drain():
-            with open(path, "a") as f:
-                f.writelines(json.dumps(ev) + "\n" for ev in events)
+        _flush(path)
 
 
 def _start_sink() -> None:
-    """One sink thread per process: started at import, and again in each forked child."""
+    """One sink thread per process: started at import, and again in each forked child; a
+    last flush at exit."""
     _RING.clear()
-    threading.Thread(target=_sink, args=(os.environ[SINK_ENV],), name="ray-ple-timing-sink",
+    path = os.path.join(os.environ[SINK_ENV], f"timing-{os.getpid()}.jsonl")
+    threading.Thread(target=_sink, args=(path,), name="ray-ple-timing-sink",
                      daemon=True).start()
+    atexit.register(_flush, path)
 
 
 if ENABLED and os.environ.get(SINK_ENV):

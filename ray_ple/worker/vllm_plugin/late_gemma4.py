@@ -47,6 +47,7 @@ from itertools import islice
 
 import torch
 from vllm.config import VllmConfig
+from vllm.forward_context import in_piecewise_cudagraph
 from vllm.model_executor.models import gemma4 as vllm_gemma4
 from vllm.model_executor.models.gemma4 import (
     Gemma4DecoderLayer,
@@ -57,8 +58,6 @@ from vllm.model_executor.models.gemma4 import (
 from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
-from vllm.forward_context import in_piecewise_cudagraph
-
 from ray_ple.worker import ops
 from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
 
@@ -245,6 +244,9 @@ class LateGemma4Model(Gemma4Model):
                 layer, positions, hidden_states, residual,
                 per_layer_input if projection is not None else None, **kwargs)
             self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
+        if len(joined) != len(parts):  # a started pull no layer joined (decided when traced)
+            raise PleModelError(f"PLE parts {sorted(set(range(len(parts))) - joined)} were "
+                                "started but no layer's gate joined them")
         if residual is None:
             hidden_states = self.norm(hidden_states)
         else:
