@@ -7,8 +7,11 @@ Tables (same bytes, same ids): `memfd` is the node table as ray-ple holds it (a 
 mapped read-only, `want_huge_pages` applied: huge pages only where the host's shmem THP
 setting allows); `anon` and `anon_huge` are anonymous memory without and with
 `MADV_HUGEPAGE` (the THP a host with `shmem_enabled: advise` would give the node table).
-Per (table, T, layout, threads): median and p90 of `reps` gathers into a slot, in us and GB/s.
-A benchmark, not a test.
+Per (table, T, layout, threads, method): median and p90 of `reps` whole steps (every part)
+into a slot, in us and GB/s, and each part's median; every step's rows are checked. Parts
+are gathered two ways, interleaved rep by rep: `units` (the shipped `np.take` over the table
+viewed as units) and `fancy` (fancy indexing of a column view, the gather before). A
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ray_ple.offload import gather as gather_module
 from ray_ple.offload.gather import RowGatherer
 from ray_ple.offload.table_store import want_huge_pages
 from ray_ple.protocol.geometry import split_layers
 from ray_ple.protocol.shm import SharedSegment
+
+MIN_UNIT = gather_module._MIN_UNIT
 
 
 def _huge_kb() -> int:
@@ -63,6 +69,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--methods", nargs="+", default=["units", "fancy"],
+                    help="parts by unit take (shipped) and by fancy indexing (before)")
+    ap.add_argument("--tables", nargs="+", default=["memfd", "anon", "anon_huge"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     d_bytes = args.ple_dim * 2
@@ -75,6 +84,8 @@ def main() -> None:
     results = []
     rng = np.random.default_rng(1)
     for name, (table, _) in held.items():
+        if name not in args.tables:
+            continue
         for threads in args.threads:
             g = RowGatherer(table, max(args.tokens), threads)
             for t in args.tokens:
@@ -86,22 +97,33 @@ def main() -> None:
                         outs.append(slot[:, first * d_bytes:(first + k) * d_bytes].copy())
                         cols.append(first * d_bytes)
                         first += k
-                    times = []
-                    for _ in range(args.reps):
-                        ids = rng.integers(0, args.rows, t).astype(np.int32)
-                        t0 = time.perf_counter_ns()
-                        for p, (o, c) in enumerate(zip(outs, cols)):
-                            g(ids, o, c, p == 0)
-                        times.append(time.perf_counter_ns() - t0)
-                    got = np.concatenate(outs, axis=1)
-                    bad = int((got != table[ids]).any(axis=1).sum())
-                    us = np.array(times) / 1e3
-                    med = float(np.median(us))
-                    results.append({"table": name, "threads": threads, "T": t, "layout": layout,
-                                    "parts": len(parts), "median_us": round(med, 1),
-                                    "p90_us": round(float(np.percentile(us, 90)), 1),
-                                    "GBps": round(t * row_bytes / med / 1e3, 2), "bad_rows": bad})
-                    print(json.dumps(results[-1]), flush=True)
+                    methods = args.methods if layout != "whole" else ["units"]
+                    times = {m: [] for m in methods}  # per rep: each part's us
+                    for r in range(args.reps):
+                        for m in methods[r % 2:] + methods[:r % 2]:  # interleaved, both orders
+                            ids = rng.integers(0, args.rows, t).astype(np.int32)  # cold rows
+                            gather_module._MIN_UNIT = MIN_UNIT if m == "units" else 1 << 62
+                            per = []
+                            for p, (o, c) in enumerate(zip(outs, cols)):
+                                t0 = time.perf_counter_ns()
+                                g(ids, o, c, p == 0)
+                                per.append(time.perf_counter_ns() - t0)
+                            times[m].append(per)
+                            got = np.concatenate(outs, axis=1)
+                            bad = int((got != table[ids]).any(axis=1).sum())
+                            assert bad == 0, (m, layout, t, bad)
+                    gather_module._MIN_UNIT = MIN_UNIT
+                    for m, per in times.items():
+                        us = np.array(per) / 1e3
+                        step = us.sum(axis=1)
+                        med = float(np.median(step))
+                        results.append({
+                            "table": name, "threads": threads, "T": t, "layout": layout,
+                            "method": m, "parts": len(parts), "median_us": round(med, 1),
+                            "p90_us": round(float(np.percentile(step, 90)), 1),
+                            "part_median_us": [round(float(x), 1) for x in np.median(us, 0)],
+                            "GBps": round(t * row_bytes / med / 1e3, 2), "bad_rows": 0})
+                        print(json.dumps(results[-1]), flush=True)
             g.close()
     (args.out / "gather.json").write_text(json.dumps({"meta": meta, "results": results},
                                                      indent=1))

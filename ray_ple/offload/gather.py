@@ -4,19 +4,25 @@ Ids outside `[0, rows)` read row 0, as vLLM's Gemma 4 does before its own lookup
 one part of a row (a column range of the table, `PleGeometry.slots`): the ids are clipped
 once per step (`fresh` on a table's first part), then each part copies its columns.
 
-numpy only (the offload process imports no torch): a whole row is `np.take` straight into
-the slot; a column range is fancy indexing (`np.take` on a column view would first copy the
-whole table to make it contiguous). With `gather_threads > 1`, whole-row steps of at least
-`_PARALLEL_MIN_TOKENS` tokens are split by token over a thread pool (`np.take` copies
-without the GIL). A part (fancy indexing) gains less from the pool: split over 8 threads, a
-1.5 MB part took 640 us instead of 420 alone, a 3.1 MB part about the same either way, a
-12.6 MB part ~1.1 ms against ~3.5 ms alone at the 3.1 MB rate (H200 host, bench/cuda/README.md,
-late-run12), so only parts of `_PARALLEL_MIN_PART_BYTES` or more go to the pool. Ordinary
-stores only: the flag that follows needs no `sfence` on x86-64.
+numpy only (the offload process imports no torch). Every copy is one `np.take` from a
+contiguous source straight into the slot (no temporary, and without the GIL, so it splits
+over threads): a whole row from the table itself, a part from the table viewed as a flat
+run of *units*, the largest byte count that divides the row and every part's offset and
+width (one layer's 512 B on E4B), at indices `id * units_per_row + unit`. Fancy indexing of
+a column view (`table[idx, c0:c0 + w]`, how parts were gathered before) builds a temporary
+and copies it: 1.3-2.3x slower at T >= 256 (bench/cpu/results/gather-run1), and `np.take`
+on the column view itself first copies the whole table to make it contiguous.
+
+With `gather_threads > 1`, steps of at least `_PARALLEL_MIN_TOKENS` tokens whose copy is
+a whole row or at least `_PARALLEL_MIN_PART_BYTES` are split by token over a thread pool;
+a smaller part is faster on one thread than handed to the pool (H200 host,
+bench/cuda/README.md, late-run12). Ordinary stores only: the flag that follows needs no
+`sfence` on x86-64.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,13 +32,16 @@ from ray_ple.testing import timing
 
 _PARALLEL_MIN_TOKENS = 64
 _PARALLEL_MIN_PART_BYTES = 4 << 20  # a part below this is faster on one thread (H200 host)
+_MIN_UNIT = 16  # below this a part's take moves too little per index: fancy indexing
 
 
 class RowGatherer:
     def __init__(self, table: np.ndarray, max_tokens: int, threads: int = 1) -> None:
         self.table = table  # (rows, row_bytes) uint8, read-only view of the node table
-        self.rows = table.shape[0]
+        self.rows, self.row_bytes = table.shape
         self._idx = np.zeros(max_tokens, dtype=np.intp)
+        self._flat = np.zeros(0, dtype=np.intp)  # a part's unit indices, grown on first use
+        self._units: dict[int, np.ndarray] = {}  # unit bytes -> the table as a flat run
         self._one = 0
         self._threads = threads
         self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="ray-ple-gather")
@@ -48,14 +57,34 @@ class RowGatherer:
         np.copyto(idx, ids, casting="unsafe")
         idx[(idx < 0) | (idx >= self.rows)] = 0
 
-    def _copy(self, idx: np.ndarray, out: np.ndarray, c0: int) -> None:
-        w = out.shape[1]
-        if w == self.table.shape[1]:
+    def _unit_view(self, c0: int, w: int) -> tuple[int, np.ndarray] | None:
+        """The table as a flat run of units fitting the part `[c0, c0 + w)`, or None."""
+        unit = math.gcd(self.row_bytes, c0, w)
+        if unit < _MIN_UNIT or not self.table.flags.c_contiguous:
+            return None
+        view = self._units.get(unit)
+        if view is None:
+            view = self._units[unit] = self.table.reshape(-1).view(np.dtype((np.void, unit)))
+        return unit, view
+
+    def _copy(self, a: int, b: int, out: np.ndarray, c0: int) -> None:
+        """Tokens `[a, b)` of the step into `out[a:b]` (a thread's share, or the whole)."""
+        idx, w = self._idx[a:b], out.shape[1]
+        if w == self.row_bytes:
             # the whole row: straight into `out` (mode="clip": ids are in range here, and the
             # default mode="raise" buffers the whole result, 3x slower)
-            np.take(self.table, idx, axis=0, out=out, mode="clip")
-        else:
-            out[...] = self.table[idx, c0:c0 + w]
+            np.take(self.table, idx, axis=0, out=out[a:b], mode="clip")
+            return
+        fit = self._unit_view(c0, w)
+        if fit is None:
+            out[a:b] = self.table[idx, c0:c0 + w]
+            return
+        unit, flat = fit
+        k, per_row = w // unit, self.row_bytes // unit
+        sub = self._flat[a * k:b * k].reshape(b - a, k)  # each thread its own range
+        np.multiply(idx[:, None], per_row, out=sub)
+        sub += np.arange(c0 // unit, c0 // unit + k)
+        np.take(flat, sub, out=out[a:b].view(flat.dtype), mode="clip")
 
     def __call__(self, ids: np.ndarray, out: np.ndarray, col_offset: int = 0,
                  fresh: bool = True) -> None:
@@ -66,16 +95,19 @@ class RowGatherer:
         if t == 1:  # one decode token: one row (part) copy
             out[0] = self.table[self._one, col_offset:col_offset + out.shape[1]]
         elif t > 1:
-            idx = self._idx[:t]
+            w = out.shape[1]
+            if w != self.row_bytes and (fit := self._unit_view(col_offset, w)) is not None:
+                need = t * (w // fit[0])  # before any thread takes its share of it
+                if self._flat.size < need:
+                    self._flat = np.zeros(max(need, self._idx.size), dtype=np.intp)
             if (self._pool is not None and t >= _PARALLEL_MIN_TOKENS
-                    and (out.shape[1] == self.table.shape[1]
+                    and (out.shape[1] == self.row_bytes
                          or out.nbytes >= _PARALLEL_MIN_PART_BYTES)):
-                bounds = np.linspace(0, t, self._threads + 1).astype(int)
-                list(self._pool.map(lambda ab: self._copy(idx[ab[0]:ab[1]], out[ab[0]:ab[1]],
-                                                          col_offset),
+                bounds = np.linspace(0, t, self._threads + 1).astype(int).tolist()
+                list(self._pool.map(lambda ab: self._copy(ab[0], ab[1], out, col_offset),
                                     zip(bounds[:-1], bounds[1:])))
             else:
-                self._copy(idx, out, col_offset)
+                self._copy(0, t, out, col_offset)
         if timing.ENABLED:
             timing.record("gather", t, t_start, time.monotonic_ns())
 
