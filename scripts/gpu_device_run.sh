@@ -2,7 +2,7 @@
 # Run the CUDA transport's proof on a GPU machine: environment, memlock probes, the GPU test
 # module, and the benchmark. Everything goes to $OUT (default: bench/cuda/results/latest).
 #
-#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks|model]
+#   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks|model|gather]
 #
 # The machine needs python3 with torch (CUDA), cuda-python and numpy; pydantic and its pure
 # dependencies may be given as wheels in .whl/ (installed into a private --target, no index).
@@ -92,5 +92,13 @@ if [[ $WHAT == all || $WHAT == model ]]; then
     ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model_log.txt" | grep -v '^{"ray_ple"' \
     | tee "$OUT/model.txt"
   rm -rf /dev/shm/ray-ple-bench-model
+fi
+if [[ $WHAT == all || $WHAT == gather ]]; then
+  # the offload side's gather alone on this host's CPU (no GPU): parts by unit take vs fancy
+  # indexing, 1 and 8 threads, the node table as held (memfd) and anonymous huge pages
+  stage "gather on the host CPU"
+  timeout "${GATHER_TIMEOUT:-240}" python3 bench/cpu/bench_gather.py --out "$OUT" \
+    ${GATHER_ARGS:---rows 262144 --tokens 1 64 256 1024 8192 --threads 1 8 --reps 40 --tables memfd anon_huge} \
+    2>&1 | tee "$OUT/gather.txt"
 fi
 stage done

@@ -43,15 +43,19 @@ def _huge_kb() -> int:
     return total
 
 
-def tables(rows: int, row_bytes: int, seed: int) -> dict[str, tuple[np.ndarray, object]]:
+def tables(rows: int, row_bytes: int, seed: int,
+           names: list[str]) -> dict[str, tuple[np.ndarray, object]]:
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 255, (rows, row_bytes), dtype=np.uint8)
     out: dict[str, tuple[np.ndarray, object]] = {}
-    seg = SharedSegment.create("table", rows * row_bytes, sealable=True)
-    want_huge_pages(seg)
-    np.ndarray((rows, row_bytes), np.uint8, seg.map)[:] = src
-    out["memfd"] = (np.ndarray((rows, row_bytes), np.uint8, seg.map), seg)
+    if "memfd" in names:
+        seg = SharedSegment.create("table", rows * row_bytes, sealable=True)
+        want_huge_pages(seg)
+        np.ndarray((rows, row_bytes), np.uint8, seg.map)[:] = src
+        out["memfd"] = (np.ndarray((rows, row_bytes), np.uint8, seg.map), seg)
     for name, huge in (("anon", False), ("anon_huge", True)):
+        if name not in names:
+            continue
         m = mmap.mmap(-1, rows * row_bytes)
         m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
         a = np.ndarray((rows, row_bytes), np.uint8, m)
@@ -76,7 +80,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     d_bytes = args.ple_dim * 2
     row_bytes = args.layers * d_bytes
-    held = tables(args.rows, row_bytes, 0)
+    held = tables(args.rows, row_bytes, 0, args.tables)
     shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
     meta = {"rows": args.rows, "row_bytes": row_bytes, "cpus": os.cpu_count(),
             "huge_kb_after_fill": _huge_kb(),
@@ -84,8 +88,6 @@ def main() -> None:
     results = []
     rng = np.random.default_rng(1)
     for name, (table, _) in held.items():
-        if name not in args.tables:
-            continue
         for threads in args.threads:
             g = RowGatherer(table, max(args.tokens), threads)
             for t in args.tokens:
