@@ -10,6 +10,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError
 
+HugePages = Literal["auto", "off", "require"]
+
 
 class PleDeadlines(Frozen):
     """Progress deadlines; missing one ends the replica (DESIGN section 5)."""
@@ -59,6 +61,11 @@ class PleConfig(Frozen):
         "blocks on the doorbell (GPU decode latency; costs a core while it spins)"
     )
     shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
+    huge_pages: HugePages = Field(
+        "auto", description="the node table on the host's hugetlb pool (2 MiB pages: a "
+        "pod's hugepages-2Mi, or vm.nr_hugepages): auto where the pool holds it, else 4 KiB "
+        "shmem pages; off never; require: a pool too small is one error at setup"
+    )
     table_tensor: str | None = Field(
         None, description="checkpoint tensor of the PLE table; found by name when unset"
     )

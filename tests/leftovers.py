@@ -55,6 +55,7 @@ class Footprint(NamedTuple):
 
     nameless_shmem: int  # Shmem minus the named /dev/shm files: memfds, O_TMPFILE, shared anon
     mlocked: int  # pinned (mlock'ed) memory, system-wide
+    hugetlb: int  # huge pages in use or reserved, system-wide (a node table on the pool)
     processes: Counter  # title -> count of replica processes under the given raylets
 
     def differs(self, base: Footprint) -> list[str]:
@@ -67,6 +68,8 @@ class Footprint(NamedTuple):
                        f"{self.nameless_shmem >> 20} MiB")
         if self.mlocked - base.mlocked > MLOCK_TOLERANCE:
             out.append(f"Mlocked {base.mlocked >> 20} -> {self.mlocked >> 20} MiB")
+        if self.hugetlb > base.hugetlb:
+            out.append(f"hugetlb {base.hugetlb >> 20} -> {self.hugetlb >> 20} MiB")
         if self.processes != base.processes:
             out.append(f"processes {dict(base.processes)} -> {dict(self.processes)}")
         return out
@@ -98,8 +101,27 @@ def cluster_processes(raylets: list[int]) -> Counter:
     return titles
 
 
+def hugetlb_bytes() -> int:
+    """Huge pages taken from the pool (in use, or reserved and not yet touched)."""
+    try:
+        size = meminfo("Hugepagesize")
+    except KeyError:  # no hugetlb in this kernel
+        return 0
+    pages = (meminfo_count("HugePages_Total") - meminfo_count("HugePages_Free")
+             + meminfo_count("HugePages_Rsvd"))
+    return pages * size
+
+
+def meminfo_count(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def footprint(raylets: list[int]) -> Footprint:
-    return Footprint(shmem_bytes() - named_shm_bytes(), meminfo("Mlocked"),
+    return Footprint(shmem_bytes() - named_shm_bytes(), meminfo("Mlocked"), hugetlb_bytes(),
                      cluster_processes(raylets))
 
 

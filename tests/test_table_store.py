@@ -6,12 +6,16 @@ import os
 import select
 import signal
 import time
+from pathlib import Path
+
+import numpy as np
+import pytest
 
 from ray_ple.offload.table_store import broker_name, fingerprint, locate_tensor
 from ray_ple.protocol.peers import name_holder
 from ray_ple.protocol.shm import SharedSegment, shmem_bytes
-from tests.leftovers import ple_shm_entries
-from tests.rig import spec_for, start_offload, write_checkpoint
+from tests.leftovers import meminfo, meminfo_count, ple_shm_entries
+from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 
 ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo
 
@@ -70,10 +74,10 @@ def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
     path = tmp_path / "ckpt"
     write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
     table = ROWS * LAYERS * DIM * 2
-    base = _settled_shmem()
-    a, _, a_conn = start_offload(spec_for(path, max_tokens=8, rank=0))
+    base = _settled_shmem()  # shmem pages (ple.huge_pages off): what Shmem counts
+    a, _, a_conn = start_offload(spec_for(path, max_tokens=8, rank=0, huge_pages="off"))
     after_one = shmem_bytes()
-    b, _, b_conn = start_offload(spec_for(path, max_tokens=8, rank=1))
+    b, _, b_conn = start_offload(spec_for(path, max_tokens=8, rank=1, huge_pages="off"))
     after_two = shmem_bytes()
     assert after_one - base > 0.9 * table, "the first holder loads the table"
     assert after_two - after_one < 0.1 * table, "the second holder shares it"
@@ -82,7 +86,7 @@ def test_holders_share_one_copy_and_the_last_frees_it(tmp_path):
     os.kill(a.pid, 9)  # the loader dies; the copy stays with b and is still served
     a.join(5)
     assert _broker_pid(path, timeout=5.0) == b.pid, "a holder takes the broker name over"
-    c, _, c_conn = start_offload(spec_for(path, max_tokens=8, rank=2))
+    c, _, c_conn = start_offload(spec_for(path, max_tokens=8, rank=2, huge_pages="off"))
     assert _table_inode(c.pid) == _table_inode(b.pid)
     assert shmem_bytes() - after_two < 0.1 * table
 
@@ -117,3 +121,91 @@ def test_a_kill_while_a_segment_is_reserved_leaves_nothing():
     assert still_reserving, "the kill came after the reservation: the row proves nothing"
     assert ple_shm_entries() == []
     assert _wait_shmem(base, 64 << 20) - base < 64 << 20, "the memory went with its holder"
+
+
+def _page_kib(pid: int) -> set[int]:
+    """KernelPageSize (KiB) of the node table's mappings in a process (its memfd's)."""
+    sizes, table = set(), False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                table = "memfd:ray-ple-table" in line
+            elif table and line.startswith("KernelPageSize:"):
+                sizes.add(int(head[1]))
+    return sizes
+
+
+def _pool() -> tuple[int, int]:
+    """(free pages, page bytes) of the host's default hugetlb pool."""
+    return meminfo_count("HugePages_Free"), meminfo("Hugepagesize")
+
+
+@pytest.fixture
+def huge_pool():
+    """Set the hugetlb pool's free pages for a test (`set(n)`), as root, restored after:
+    what a pod's `hugepages-2Mi` grants, made here. Skipped where the pool cannot be set."""
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    if not knob.exists() or not os.access(knob, os.W_OK):
+        pytest.skip("the hugetlb pool cannot be set here (needs root and /proc/sys/vm)")
+    before = int(knob.read_text())
+
+    def set_free(n: int) -> int:
+        free, _ = _pool()
+        knob.write_text(str(max(0, int(knob.read_text()) + n - free)))
+        return _pool()[0]
+
+    yield set_free
+    knob.write_text(str(before))
+
+
+def test_the_node_table_on_huge_pages_is_shared_served_and_freed(tmp_path, huge_pool):
+    """`huge_pages: require` with a pool that holds the table: one copy on 2 MiB pages,
+    shared by a second holder (which checks the fd's size against its own), rows exact,
+    every page back in the pool once the holders are gone."""
+    path = tmp_path / "ckpt"
+    table = write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
+    free, page = _pool()
+    need = -(-(ROWS * LAYERS * DIM * 2 + 4096) // page)
+    if huge_pool(need + 4) < need:
+        pytest.skip("the host gave the pool fewer huge pages than the table needs")
+    free = _pool()[0]
+    a, handle, a_conn = start_offload(spec_for(path, max_tokens=64, rank=0,
+                                               huge_pages="require"))
+    b, _, b_conn = start_offload(spec_for(path, max_tokens=64, rank=1, huge_pages="require"))
+    assert free - _pool()[0] == need, "one copy, from the pool"
+    assert _page_kib(a.pid) == _page_kib(b.pid) == {page >> 10}
+    assert _table_inode(a.pid) == _table_inode(b.pid)
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(-3, ROWS + 3, size=int(rng.integers(1, 65))).tolist()
+             for _ in range(200)]
+    spec = spec_for(path, max_tokens=64)
+    wproc, wconn = start_worker(handle, spec.geometry, steps, table, tmp_path)
+    assert wconn.recv() == ("done", 0), "every row of every step is the checkpoint's"
+    wconn.send("stop")
+    wproc.join(10)
+    for proc, conn in ((a, a_conn), (b, b_conn)):
+        conn.send("stop")
+        proc.join(10)
+    deadline = time.monotonic() + 10
+    while _pool()[0] != free and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pool()[0] == free, "freed with its last holder"
+    assert ple_shm_entries() == []
+
+
+def test_a_pool_too_small_is_one_error_for_require_and_4k_pages_for_auto(tmp_path,
+                                                                          huge_pool):
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
+    huge_pool(1)  # one free page: the table needs 33
+    free = _pool()[0]
+    base = shmem_bytes()
+    with pytest.raises(RuntimeError, match="hugetlb pool cannot hold the ray-ple table"):
+        start_offload(spec_for(path, max_tokens=8, huge_pages="require"))
+    assert _pool()[0] == free and ple_shm_entries() == []
+    assert _wait_shmem(base, 16 << 20) - base < 16 << 20, "nothing reserved was kept"
+    a, _, a_conn = start_offload(spec_for(path, max_tokens=8, huge_pages="auto"))
+    assert _page_kib(a.pid) == {4} and _pool()[0] == free
+    a_conn.send("stop")
+    a.join(10)

@@ -509,6 +509,9 @@ class Bench:
                     pair.transport.options = default.model_copy(update=specs[name])
                     self.measure("model", t, f"L_{name}", late, pair, n, warm, parts=parts,
                                  round=r, options=specs[name])
+                    if "pre" in self.a.extra:  # the GPU side alone under these options
+                        self.measure("model", t, f"L_pre_{name}", late, pair, n, warm,
+                                     pre=True, parts=parts, round=r, options=specs[name])
         finally:
             pair.transport.options = default
 

@@ -88,7 +88,8 @@ class OffloadActor:
             os._exit(1)
         sweep_orphans(cfg.shm_dir)
         self.tables = [acquire_table(src, shm_dir=cfg.shm_dir,
-                                     deadline_s=cfg.deadlines.startup_s) for src in spec.sources]
+                                     deadline_s=cfg.deadlines.startup_s,
+                                     huge_pages=cfg.huge_pages) for src in spec.sources]
         fp = (self.tables[0].fingerprint if len(self.tables) == 1 else hashlib.sha256(
             "".join(t.fingerprint for t in self.tables).encode()).hexdigest())
         self._slots = spec.geometry.slots()

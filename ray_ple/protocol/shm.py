@@ -16,6 +16,12 @@ user and of the size it computed itself (`check_sealed`). Its memory is shmem li
 `shm_dir` tmpfs, so `shm_dir`'s free space is still checked first: the sizing that makes room
 for the table in `/dev/shm` stays the one budget, and a node short of it gets the same clear
 error as before.
+
+A node table may instead sit on the host's hugetlb pool (`huge=True`: `MFD_HUGETLB`, 2 MiB
+pages, what a pod's `hugepages-2Mi` resource grants): `posix_fallocate` takes every page up
+front, so a short pool is one clear error at setup (never a SIGBUS later), and that
+reservation is the budget (not `shm_dir`'s tmpfs). The size is rounded up to the huge page
+size, which a receiver reads from the fd (`st_blksize`), never from its peer.
 """
 
 from __future__ import annotations
@@ -40,8 +46,27 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_S
 _NAME = re.compile(r"^ray-ple-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{32}$")
 
 
-def page_align(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
+def page_align(n: int, page: int = PAGE) -> int:
+    return (n + page - 1) // page * page
+
+
+def huge_page_size() -> int:
+    """The host's default huge page size (`Hugepagesize` of /proc/meminfo), what
+    `MFD_HUGETLB` uses; 0 where the kernel has no hugetlb support."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Hugepagesize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def segment_size(fd: int, size: int) -> int:
+    """What a segment of `size` bytes holds on the fd's own pages: page-aligned, and rounded
+    up to the huge page size on hugetlbfs (whose `st_blksize` is that size)."""
+    return page_align(size, max(PAGE, os.fstat(fd).st_blksize))
 
 
 class SegmentRef(BaseModel):
@@ -116,7 +141,7 @@ def check_sealed(fd: int, size: int, what: str) -> None:
     if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
         raise PleShmError(f"{what}: the fd is not a private shared-memory file "
                           f"(mode {oct(st.st_mode)})")
-    if st.st_size != size:
+    if st.st_size != segment_size(fd, size):
         raise PleShmError(f"{what}: the fd holds {st.st_size} bytes, the table needs {size}")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -133,17 +158,22 @@ class SharedSegment:
 
     def __init__(self, fd: int, size: int, token: str, owner: bool,
                  writable: bool = True) -> None:
+        st = os.fstat(fd)
         self.fd, self.size, self.token, self.owner = fd, size, token, owner
-        self.inode = os.fstat(fd).st_ino
+        self.inode = st.st_ino
+        self.hugetlb = st.st_blksize > PAGE  # on the host's hugetlb pool (`huge=True`)
         self.writable = writable
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
 
     @classmethod
     def create(cls, kind: str, size: int, shm_dir: str = "/dev/shm", *,
-               sealable: bool = False) -> SharedSegment:
+               sealable: bool = False, huge: bool = False) -> SharedSegment:
         """Create and reserve a nameless segment of `size` bytes; one clear error if it can't.
-        `sealable`: a memfd that `seal()` can later freeze (see the module docstring)."""
+        `sealable`: a memfd that `seal()` can later freeze; `huge`: a sealable memfd on the
+        host's hugetlb pool (see the module docstring)."""
+        if huge:
+            return cls._create_huge(kind, size)
         size = page_align(size)
         if not os.path.isdir(shm_dir):
             raise PleShmError(f"shared-memory directory {shm_dir} does not exist")
@@ -174,6 +204,28 @@ class SharedSegment:
                 ) from exc
             raise PleShmError(f"cannot reserve {size} bytes in {where}: {exc}") from exc
         return cls(fd, size, token, owner=True)
+
+    @classmethod
+    def _create_huge(cls, kind: str, size: int) -> SharedSegment:
+        page = huge_page_size()
+        if not page or not hasattr(os, "MFD_HUGETLB"):
+            raise PleShmError(f"no hugetlb pages on this host for the ray-ple {kind} segment")
+        size = page_align(size, page)
+        try:
+            fd = os.memfd_create(f"ray-ple-{kind}",
+                                 os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+            os.fchmod(fd, 0o600)
+        except OSError as exc:
+            raise PleShmError(f"cannot create a hugetlb {kind} segment: {exc}") from exc
+        try:
+            os.posix_fallocate(fd, 0, size)  # every huge page now, or one error now
+        except OSError as exc:
+            os.close(fd)
+            raise PleShmError(
+                f"the host's hugetlb pool cannot hold the ray-ple {kind} segment: "
+                f"{size} bytes in {page >> 20} MiB pages ({exc.strerror}; see HugePages_Free "
+                f"in /proc/meminfo, or the pod's hugepages-{page >> 20}Mi resource)") from exc
+        return cls(fd, size, secrets.token_hex(16), owner=True)
 
     @classmethod
     def attach(cls, ref: SegmentRef) -> SharedSegment:
