@@ -492,14 +492,19 @@ class Bench:
                 print(json.dumps({"skipped": "budget", "after_T": t}), flush=True)
                 return
 
-    def late_caps(self, t: int, late: torch.nn.Module, pair: Any, n: int, warm: int,
-                  parts: int) -> None:
-        """`L` under each set of `--late-options` (`CudaOptions` fields, baked into the graph
-        at capture), interleaved over `--cap-rounds` rounds in this one process."""
+    def late_specs(self) -> dict[str, dict[str, int]]:
+        """`--late-options` as {name: CudaOptions fields}."""
         specs = {}
         for spec in filter(None, self.a.late_options.split(";")):
             name, _, fields = spec.partition(":")
             specs[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)}
+        return specs
+
+    def late_caps(self, t: int, late: torch.nn.Module, pair: Any, n: int, warm: int,
+                  parts: int) -> None:
+        """`L` under each set of `--late-options` (`CudaOptions` fields, baked into the graph
+        at capture), interleaved over `--cap-rounds` rounds in this one process."""
+        specs = self.late_specs()
         if not specs or pair is None or not hasattr(pair.transport, "options"):
             return
         default = pair.transport.options
@@ -560,11 +565,23 @@ class Bench:
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
                     self.pairs[sp, t > 256], sp))
+            opts = self.late_specs()  # the class's structure under each --late-options
+            if "ahead" in a.extra and self.device.type == "cuda":
+                runs += [(f"L_sp_as_{o}", main_stack, self.pairs[main, t > 256], main)
+                         for o in opts]
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
-                    self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
-                                 stream="_sp" in name, ahead=name.endswith("_as"),
-                                 parts=sp, round=r)
+                    o = name.removeprefix("L_sp_as_") if name.startswith("L_sp_as_") else None
+                    default = pair.transport.options if o else None
+                    if o:
+                        pair.transport.options = default.model_copy(update=opts[o])
+                    try:
+                        self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
+                                     stream="_sp" in name, ahead="_as" in name,
+                                     parts=sp, round=r, **({"options": opts[o]} if o else {}))
+                    finally:
+                        if o:
+                            pair.transport.options = default
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
                           flush=True)
@@ -656,7 +673,7 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
             cells = []
             for v in dict.fromkeys(r["variant"] for r in at):
                 rs = [r for r in at if r["variant"] == v]
-                a = "A_as" if v.endswith("_as") else "A"
+                a = "A_as" if "_as" in v else "A"
                 added = [r["median_us"] - base.get((a, r.get("round", 0)), 0.0) for r in rs]
                 posts = [r["host_post_us"] for r in rs if "host_post_us" in r]
                 cell = (f"{v}={np.median([r['median_us'] for r in rs]):.1f}"
