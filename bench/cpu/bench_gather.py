@@ -34,7 +34,7 @@ from ray_ple.offload.table_store import want_huge_pages
 from ray_ple.protocol.geometry import split_layers
 from ray_ple.protocol.shm import SharedSegment
 
-MIN_UNIT, TOUCH = gather_module._MIN_UNIT, gather_module._TOUCH
+MIN_UNIT = gather_module._MIN_UNIT
 
 
 def _huge_kb() -> int:
@@ -77,8 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--methods", nargs="+", default=["units", "fancy"],
-                    help="parts by unit take (shipped) and by fancy indexing (before); touch_row, "
-                    "touch_lines: unit take after one load per row / per line of part 0")
+                    help="parts by unit take (shipped) and by fancy indexing (before)")
     ap.add_argument("--tables", nargs="+", default=["memfd", "anon", "anon_huge"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +109,6 @@ def main() -> None:
                         for m in methods[k:] + methods[:k]:  # interleaved, rotating the order
                             ids = rng.integers(0, args.rows, t).astype(np.int32)  # cold rows
                             gather_module._MIN_UNIT = MIN_UNIT if m != "fancy" else 1 << 62
-                            gather_module._TOUCH = {"touch_row": 1, "touch_lines": 2}.get(m, 0)
                             per = []
                             for p, (o, c) in enumerate(zip(outs, cols)):
                                 t0 = time.perf_counter_ns()
@@ -120,7 +118,7 @@ def main() -> None:
                             got = np.concatenate(outs, axis=1)
                             bad = int((got != table[ids]).any(axis=1).sum())
                             assert bad == 0, (m, layout, t, bad)
-                    gather_module._MIN_UNIT, gather_module._TOUCH = MIN_UNIT, TOUCH
+                    gather_module._MIN_UNIT = MIN_UNIT
                     for m, per in times.items():
                         us = np.array(per) / 1e3
                         step = us.sum(axis=1)

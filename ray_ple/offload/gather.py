@@ -42,6 +42,7 @@ class RowGatherer:
         self._idx = np.zeros(max_tokens, dtype=np.intp)
         self._flat = np.zeros(0, dtype=np.intp)  # a part's unit indices, grown on first use
         self._units: dict[int, np.ndarray] = {}  # unit bytes -> the table as a flat run
+        self._cols: dict[tuple[int, int, int], np.ndarray] = {}  # a part's units in a row
         self._one = 0
         self._threads = threads
         self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="ray-ple-gather")
@@ -83,7 +84,13 @@ class RowGatherer:
         k, per_row = w // unit, self.row_bytes // unit
         sub = self._flat[a * k:b * k].reshape(b - a, k)  # each thread its own range
         np.multiply(idx[:, None], per_row, out=sub)
-        sub += np.arange(c0 // unit, c0 // unit + k)
+        if k == 1:  # a first part of one layer: the latency-bound one, fewest calls
+            sub += c0 // unit
+        else:
+            cols = self._cols.get((unit, c0, k))
+            if cols is None:
+                cols = self._cols[unit, c0, k] = np.arange(c0 // unit, c0 // unit + k)
+            sub += cols
         np.take(flat, sub, out=out[a:b].view(flat.dtype), mode="clip")
 
     def __call__(self, ids: np.ndarray, out: np.ndarray, col_offset: int = 0,
