@@ -16,7 +16,12 @@ os.environ.setdefault("RAY_PLE_CACHE", os.path.join(tempfile.gettempdir(), "ray-
 
 import pytest  # noqa: E402
 
-from tests.leftovers import footprint, ple_processes, ple_shm_entries  # noqa: E402
+from tests.leftovers import (  # noqa: E402
+    footprint,
+    hugetlb_pool,
+    ple_processes,
+    ple_shm_entries,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,3 +40,23 @@ def nothing_left_behind():
     assert ple_shm_entries() == []
     assert ple_processes() == []
     assert footprint([]).differs(base) == []
+
+
+@pytest.fixture
+def huge_pool():
+    """Set the hugetlb pool's free pages for a test (`set(n)` -> the free pages it got), as
+    root, restored after: what a pod's `hugepages-2Mi` grants, made here. Skipped where the
+    pool cannot be set (not root, no /proc/sys/vm)."""
+    from pathlib import Path
+
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    if not knob.exists() or not os.access(knob, os.W_OK):
+        pytest.skip("the hugetlb pool cannot be set here (needs root and /proc/sys/vm)")
+    before = int(knob.read_text())
+
+    def set_free(n: int) -> int:
+        knob.write_text(str(max(0, int(knob.read_text()) + n - hugetlb_pool()[0])))
+        return hugetlb_pool()[0]
+
+    yield set_free
+    knob.write_text(str(before))

@@ -137,3 +137,8 @@ def ple_processes() -> list[str]:
                                   "offload_proc.py")):
             found.append(f"{p.info['pid']}: {cmd[:120]}")
     return found
+
+
+def hugetlb_pool() -> tuple[int, int]:
+    """(free pages, page bytes) of the host's default hugetlb pool."""
+    return meminfo_count("HugePages_Free"), meminfo("Hugepagesize")

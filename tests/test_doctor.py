@@ -12,8 +12,9 @@ import pytest
 
 from ray_ple.tools.doctor import DoctorArgs, check_host_memory, check_shm
 from ray_ple.tools.quantity import GiB
+from tests.leftovers import hugetlb_pool
 
-LINE = re.compile(r"^(PASS|WARN|FAIL) (memlock|shm|cuda|host-memory|table): \S.*$")
+LINE = re.compile(r"^(PASS|WARN|FAIL) (memlock|shm|cuda|host-memory|huge-pages|table): \S.*$")
 pytestmark = pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="CPU machine checks")
 
 
@@ -41,7 +42,7 @@ def test_cpu_pod_passes_with_its_budget():
     rc, got = doctor("--transport", "cpu", "--table-bytes", "20480", "--pair-bytes", "24576",
                      "--object-store-bytes", "64Mi")
     assert rc == 0 and got == {"memlock": "PASS", "shm": "PASS", "cuda": "PASS",
-                               "host-memory": "PASS"}
+                               "host-memory": "PASS", "huge-pages": "PASS"}
 
 
 def test_table_larger_than_free_memory_fails():
@@ -116,3 +117,20 @@ def test_numbers_are_the_machines():
     st = os.statvfs("/dev/shm")
     size_gib = st.f_blocks * st.f_frsize / GiB
     assert f"of {size_gib:.2f} GiB" in shm.detail
+
+
+def test_doctor_says_where_the_table_will_sit_by_the_hugetlb_pool(huge_pool):
+    """Never a FAIL: a pool that holds the table means 2 MiB pages with `auto`, else 4 KiB."""
+    def huge_line() -> str:
+        rc, got = doctor("--transport", "cpu", "--table-bytes", "64Mi")
+        assert rc == 0 and got["huge-pages"] == "PASS"
+        out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--transport",
+                              "cpu", "--table-bytes", "64Mi"], check=True, capture_output=True,
+                             text=True, timeout=60).stdout
+        return next(line for line in out.splitlines() if " huge-pages: " in line)
+
+    _, page = hugetlb_pool()
+    huge_pool(0)
+    assert "the table goes on 4 KiB pages" in huge_line()
+    assert huge_pool((64 << 20) // page + 1) > (64 << 20) // page
+    assert f"the table goes on {page >> 20} MiB pages" in huge_line()

@@ -6,7 +6,6 @@ import os
 import select
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from ray_ple.offload.table_store import broker_name, fingerprint, locate_tensor
 from ray_ple.protocol.peers import name_holder
 from ray_ple.protocol.shm import SharedSegment, shmem_bytes
-from tests.leftovers import meminfo, meminfo_count, ple_shm_entries
+from tests.leftovers import hugetlb_pool, ple_shm_entries
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 
 ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo
@@ -136,44 +135,21 @@ def _page_kib(pid: int) -> set[int]:
     return sizes
 
 
-def _pool() -> tuple[int, int]:
-    """(free pages, page bytes) of the host's default hugetlb pool."""
-    return meminfo_count("HugePages_Free"), meminfo("Hugepagesize")
-
-
-@pytest.fixture
-def huge_pool():
-    """Set the hugetlb pool's free pages for a test (`set(n)`), as root, restored after:
-    what a pod's `hugepages-2Mi` grants, made here. Skipped where the pool cannot be set."""
-    knob = Path("/proc/sys/vm/nr_hugepages")
-    if not knob.exists() or not os.access(knob, os.W_OK):
-        pytest.skip("the hugetlb pool cannot be set here (needs root and /proc/sys/vm)")
-    before = int(knob.read_text())
-
-    def set_free(n: int) -> int:
-        free, _ = _pool()
-        knob.write_text(str(max(0, int(knob.read_text()) + n - free)))
-        return _pool()[0]
-
-    yield set_free
-    knob.write_text(str(before))
-
-
 def test_the_node_table_on_huge_pages_is_shared_served_and_freed(tmp_path, huge_pool):
     """`huge_pages: require` with a pool that holds the table: one copy on 2 MiB pages,
     shared by a second holder (which checks the fd's size against its own), rows exact,
     every page back in the pool once the holders are gone."""
     path = tmp_path / "ckpt"
     table = write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
-    free, page = _pool()
+    free, page = hugetlb_pool()
     need = -(-(ROWS * LAYERS * DIM * 2 + 4096) // page)
     if huge_pool(need + 4) < need:
         pytest.skip("the host gave the pool fewer huge pages than the table needs")
-    free = _pool()[0]
+    free = hugetlb_pool()[0]
     a, handle, a_conn = start_offload(spec_for(path, max_tokens=64, rank=0,
                                                huge_pages="require"))
     b, _, b_conn = start_offload(spec_for(path, max_tokens=64, rank=1, huge_pages="require"))
-    assert free - _pool()[0] == need, "one copy, from the pool"
+    assert free - hugetlb_pool()[0] == need, "one copy, from the pool"
     assert _page_kib(a.pid) == _page_kib(b.pid) == {page >> 10}
     assert _table_inode(a.pid) == _table_inode(b.pid)
     rng = np.random.default_rng(3)
@@ -188,9 +164,9 @@ def test_the_node_table_on_huge_pages_is_shared_served_and_freed(tmp_path, huge_
         conn.send("stop")
         proc.join(10)
     deadline = time.monotonic() + 10
-    while _pool()[0] != free and time.monotonic() < deadline:
+    while hugetlb_pool()[0] != free and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _pool()[0] == free, "freed with its last holder"
+    assert hugetlb_pool()[0] == free, "freed with its last holder"
     assert ple_shm_entries() == []
 
 
@@ -199,13 +175,13 @@ def test_a_pool_too_small_is_one_error_for_require_and_4k_pages_for_auto(tmp_pat
     path = tmp_path / "ckpt"
     write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
     huge_pool(1)  # one free page: the table needs 33
-    free = _pool()[0]
+    free = hugetlb_pool()[0]
     base = shmem_bytes()
     with pytest.raises(RuntimeError, match="hugetlb pool cannot hold the ray-ple table"):
         start_offload(spec_for(path, max_tokens=8, huge_pages="require"))
-    assert _pool()[0] == free and ple_shm_entries() == []
+    assert hugetlb_pool()[0] == free and ple_shm_entries() == []
     assert _wait_shmem(base, 16 << 20) - base < 16 << 20, "nothing reserved was kept"
     a, _, a_conn = start_offload(spec_for(path, max_tokens=8, huge_pages="auto"))
-    assert _page_kib(a.pid) == {4} and _pool()[0] == free
+    assert _page_kib(a.pid) == {4} and hugetlb_pool()[0] == free
     a_conn.send("stop")
     a.join(10)

@@ -11,6 +11,8 @@ memory that the table and slots will take, not memory they already hold.
     shm          free space in /dev/shm against table + pair segments + object store + headroom
     cuda         each visible GPU maps host memory and runs stream memory operations
     host-memory  free host memory (node, and the container's cgroup) against table + pairs
+    huge-pages   the hugetlb pool's free pages (and the cgroup's hugetlb limit) against the
+                 table: where the table will sit with `ple.huge_pages: auto` (never a FAIL)
     table        (--checkpoint) the checkpoint's table fits the bytes the pod was sized for
 
 No CUDA library is loaded unless the transport is cuda and a GPU is visible.
@@ -220,6 +222,38 @@ def check_host_memory(args: DoctorArgs) -> Check:
         f"{human(args.table_bytes)} + {args.workers} x pair {human(args.pair_bytes)}"))
 
 
+def hugetlb_room() -> tuple[int, int, str]:
+    """(bytes the table could take from the hugetlb pool, page bytes, where that comes from):
+    the pool's free pages, capped by this cgroup's hugetlb limit (a pod's hugepages-2Mi)."""
+    from ray_ple.protocol.shm import huge_page_size
+
+    page = huge_page_size()
+    if not page:
+        return 0, 0, "no hugetlb support"
+    free = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("HugePages_Free:"):
+            free = int(line.split()[1]) * page
+    room, where = free, f"pool free {human(free)}"
+    name = f"hugetlb.{page >> 20}MB"
+    limit, used = Path(f"/sys/fs/cgroup/{name}.max"), Path(f"/sys/fs/cgroup/{name}.current")
+    if limit.exists() and used.exists() and limit.read_text().strip() != "max":
+        cap = int(limit.read_text()) - int(used.read_text())
+        room, where = min(room, cap), f"{where}, cgroup {name} room {human(cap)}"
+    return room, page, where
+
+
+def check_huge_pages(args: DoctorArgs) -> Check:
+    room, page, where = hugetlb_room()
+    table = -(-args.table_bytes // page) * page if page else args.table_bytes
+    if page and args.table_bytes and room >= table:
+        verdict = f">= table {human(table)}: the table goes on {page >> 20} MiB pages"
+    else:
+        verdict = (f"< table {human(table)}: the table goes on 4 KiB pages "
+                   "(ple.huge_pages: require would refuse)")
+    return Check(name="huge-pages", status="PASS", detail=f"{where} {verdict}")
+
+
 def check_table(args: DoctorArgs) -> Check:
     """The real checkpoint against the size the pod was budgeted for."""
     from ray_ple.errors import PleModelError
@@ -239,7 +273,8 @@ def check_table(args: DoctorArgs) -> Check:
 
 
 def run_checks(args: DoctorArgs) -> list[Check]:
-    checks = [check_memlock(args), check_shm(args), check_cuda(args), check_host_memory(args)]
+    checks = [check_memlock(args), check_shm(args), check_cuda(args), check_host_memory(args),
+              check_huge_pages(args)]
     if args.checkpoint is not None:
         checks.append(check_table(args))
     return checks
