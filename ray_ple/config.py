@@ -62,9 +62,11 @@ class PleConfig(Frozen):
     )
     shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
     huge_pages: HugePages = Field(
-        "auto", description="the node table on the host's hugetlb pool (2 MiB pages: a "
-        "pod's hugepages-2Mi, or vm.nr_hugepages): auto where the pool holds it, else 4 KiB "
-        "shmem pages; off never; require: a pool too small is one error at setup"
+        "auto", description="the node table (a 4 KiB header page + the rows, rounded up to "
+        "whole pages) on the host's hugetlb pool (2 MiB pages: a pod's hugepages-2Mi, or "
+        "vm.nr_hugepages): auto where the pool holds it, else 4 KiB shmem pages; off: 4 KiB "
+        "pages; require: a pool too small is one error at setup. The holder that loads the "
+        "node's copy decides; later holders map that copy as it is (require refuses 4 KiB)"
     )
     table_tensor: str | None = Field(
         None, description="checkpoint tensor of the PLE table; found by name when unset"

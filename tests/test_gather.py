@@ -39,18 +39,22 @@ def test_rows_and_parts_are_the_tables_bytes(threads: int, t: int, part_pool: bo
 
 @pytest.mark.parametrize("layer_bytes", [24, 4])  # a unit take; below _MIN_UNIT, fancy indexing
 @pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("t", [2, 64, 300])
 def test_uneven_parts_of_layers_are_the_tables_bytes(layer_bytes: int, contiguous: bool,
-                                                     t: int) -> None:
+                                                     threads: int, t: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts of 1, 2 and 3 layers (units of one and of three layers), a table whose rows are
-    not contiguous (a view of a wider array), and ids out of range: the same bytes."""
+    not contiguous (a view of a wider array), ids out of range, one thread and a pool that
+    takes every part (each thread its own range of the index buffer): the same bytes."""
+    monkeypatch.setattr(gather_module, "_PARALLEL_MIN_PART_BYTES", 0)
     rng = np.random.default_rng(layer_bytes + t)
     row_bytes = 6 * layer_bytes
     wide = rng.integers(0, 256, (ROWS, row_bytes + (0 if contiguous else 8)), dtype=np.uint8)
     table = wide[:, :row_bytes]
     ids = rng.integers(-5, ROWS + 5, t).astype(np.int32)
     want = table[np.where((ids < 0) | (ids >= ROWS), 0, ids)]
-    gather = RowGatherer(table, max_tokens=512)
+    gather = RowGatherer(table, max_tokens=512, threads=threads)
     first = 0
     for k, layers in enumerate((1, 2, 3)):
         c0, w = first * layer_bytes, layers * layer_bytes

@@ -183,5 +183,24 @@ def test_a_pool_too_small_is_one_error_for_require_and_4k_pages_for_auto(tmp_pat
     assert _wait_shmem(base, 16 << 20) - base < 16 << 20, "nothing reserved was kept"
     a, _, a_conn = start_offload(spec_for(path, max_tokens=8, huge_pages="auto"))
     assert _page_kib(a.pid) == {4} and hugetlb_pool()[0] == free
+    # the node's copy is on 4 KiB pages now: a holder that requires huge pages refuses it
+    with pytest.raises(RuntimeError, match="'require' but the node's copy"):
+        start_offload(spec_for(path, max_tokens=8, rank=1, huge_pages="require"))
+    a_conn.send("stop")
+    a.join(10)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_auto_takes_a_pool_that_holds_the_table_and_off_never(tmp_path, huge_pool, mode):
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, rows=ROWS, layers=LAYERS, ple_dim=DIM)
+    page = hugetlb_pool()[1]
+    need = -(-(ROWS * LAYERS * DIM * 2 + 4096) // page)
+    if (got := huge_pool(need)) < need:
+        pytest.skip("the host gave the pool fewer huge pages than the table needs")
+    a, _, a_conn = start_offload(spec_for(path, max_tokens=8, huge_pages=mode))
+    on_pool = mode == "auto"
+    assert _page_kib(a.pid) == ({page >> 10} if on_pool else {4})
+    assert hugetlb_pool()[0] == (got - need if on_pool else got)
     a_conn.send("stop")
     a.join(10)

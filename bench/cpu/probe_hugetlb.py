@@ -31,7 +31,7 @@ def table(src: np.ndarray, huge: bool) -> np.ndarray:
         size = (size + HUGE - 1) // HUGE * HUGE
     fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
                          | (os.MFD_HUGETLB if huge else 0))
-    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # a short pool: an error here, not a SIGBUS below
     m = mmap.mmap(fd, size)
     np.ndarray(src.shape, np.uint8, m)[:] = src
     m.close()

@@ -577,7 +577,8 @@ class Bench:
                         pair.transport.options = default.model_copy(update=opts[o])
                     try:
                         self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
-                                     stream="_sp" in name, ahead="_as" in name,
+                                     stream="_sp" in name, ahead=o is not None or
+                                     name.endswith("_as"),
                                      parts=sp, round=r, **({"options": opts[o]} if o else {}))
                     finally:
                         if o:
@@ -673,7 +674,7 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
             cells = []
             for v in dict.fromkeys(r["variant"] for r in at):
                 rs = [r for r in at if r["variant"] == v]
-                a = "A_as" if "_as" in v else "A"
+                a = "A_as" if v.endswith("_as") or v.startswith("L_sp_as_") else "A"
                 added = [r["median_us"] - base.get((a, r.get("round", 0)), 0.0) for r in rs]
                 posts = [r["host_post_us"] for r in rs if "host_post_us" in r]
                 cell = (f"{v}={np.median([r['median_us'] for r in rs]):.1f}"

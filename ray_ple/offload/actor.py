@@ -87,9 +87,10 @@ class OffloadActor:
         if faults.ACTIVE and faults.hit("offload.die_during_setup", spec.rank):
             os._exit(1)
         sweep_orphans(cfg.shm_dir)
-        self.tables = [acquire_table(src, shm_dir=cfg.shm_dir,
-                                     deadline_s=cfg.deadlines.startup_s,
-                                     huge_pages=cfg.huge_pages) for src in spec.sources]
+        for src in spec.sources:  # one by one: `close` drops those held if a later one fails
+            self.tables.append(acquire_table(src, shm_dir=cfg.shm_dir,
+                                             deadline_s=cfg.deadlines.startup_s,
+                                             huge_pages=cfg.huge_pages))
         fp = (self.tables[0].fingerprint if len(self.tables) == 1 else hashlib.sha256(
             "".join(t.fingerprint for t in self.tables).encode()).hexdigest())
         self._slots = spec.geometry.slots()

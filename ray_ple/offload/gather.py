@@ -68,15 +68,16 @@ class RowGatherer:
             view = self._units[unit] = self.table.reshape(-1).view(np.dtype((np.void, unit)))
         return unit, view
 
-    def _copy(self, a: int, b: int, out: np.ndarray, c0: int) -> None:
-        """Tokens `[a, b)` of the step into `out[a:b]` (a thread's share, or the whole)."""
+    def _copy(self, a: int, b: int, out: np.ndarray, c0: int,
+              fit: tuple[int, np.ndarray] | None) -> None:
+        """Tokens `[a, b)` of the step into `out[a:b]` (a thread's share, or the whole);
+        `fit`: the part's unit view, None for a whole row or a part fancy-indexed."""
         idx, w = self._idx[a:b], out.shape[1]
         if w == self.row_bytes:
             # the whole row: straight into `out` (mode="clip": ids are in range here, and the
             # default mode="raise" buffers the whole result, 3x slower)
             np.take(self.table, idx, axis=0, out=out[a:b], mode="clip")
             return
-        fit = self._unit_view(c0, w)
         if fit is None:
             out[a:b] = self.table[idx, c0:c0 + w]
             return
@@ -103,18 +104,17 @@ class RowGatherer:
             out[0] = self.table[self._one, col_offset:col_offset + out.shape[1]]
         elif t > 1:
             w = out.shape[1]
-            if w != self.row_bytes and (fit := self._unit_view(col_offset, w)) is not None:
-                need = t * (w // fit[0])  # before any thread takes its share of it
-                if self._flat.size < need:
-                    self._flat = np.zeros(max(need, self._idx.size), dtype=np.intp)
+            fit = self._unit_view(col_offset, w) if w != self.row_bytes else None
+            if fit is not None and self._flat.size < (need := t * (w // fit[0])):
+                self._flat = np.zeros(max(need, self._idx.size), dtype=np.intp)  # before
+                # any thread takes its share of it
             if (self._pool is not None and t >= _PARALLEL_MIN_TOKENS
-                    and (out.shape[1] == self.row_bytes
-                         or out.nbytes >= _PARALLEL_MIN_PART_BYTES)):
+                    and (w == self.row_bytes or out.nbytes >= _PARALLEL_MIN_PART_BYTES)):
                 bounds = np.linspace(0, t, self._threads + 1).astype(int).tolist()
-                list(self._pool.map(lambda ab: self._copy(ab[0], ab[1], out, col_offset),
+                list(self._pool.map(lambda ab: self._copy(ab[0], ab[1], out, col_offset, fit),
                                     zip(bounds[:-1], bounds[1:])))
             else:
-                self._copy(0, t, out, col_offset)
+                self._copy(0, t, out, col_offset, fit)
         if timing.ENABLED:
             timing.record("gather", t, t_start, time.monotonic_ns())
 

@@ -330,7 +330,7 @@ def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
     if huge_pages != "off":
         try:
             return SharedSegment.create("table", size, shm_dir, sealable=True, huge=True)
-        except PleShmError as exc:
+        except PleShmError as exc:  # a short pool is refused before a page is taken
             if huge_pages == "require":
                 raise
             log_event("table_huge_pages", fingerprint=fp[:12], used=False, reason=str(exc))
@@ -343,7 +343,7 @@ def _load_and_serve(listener: socket.socket, name: bytes, loc: TensorLocation,
     """Load the table into a new sealed segment, then serve it on `listener` (already ours)."""
     try:
         seg = _table_segment(PAGE + source.layer.table_bytes, shm_dir, huge_pages, fp)
-    except PleShmError:
+    except BaseException:
         listener.close()
         raise
     try:

@@ -53,14 +53,44 @@ def page_align(n: int, page: int = PAGE) -> int:
 def huge_page_size() -> int:
     """The host's default huge page size (`Hugepagesize` of /proc/meminfo), what
     `MFD_HUGETLB` uses; 0 where the kernel has no hugetlb support."""
+    return _meminfo().get("Hugepagesize", 0) * 1024
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("Hugepagesize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                key, _, rest = line.partition(":")
+                out[key] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return out
+
+
+def hugetlb_room() -> tuple[int, str]:
+    """(bytes a new segment could take from the default hugetlb pool, where that comes from):
+    the pool's free pages less those other mappings reserved, capped by this cgroup's hugetlb
+    limit (v2 `hugetlb.<size>.max`, v1 `hugetlb.<size>.limit_in_bytes`: a pod's
+    `hugepages-2Mi`)."""
+    page = huge_page_size()
+    if not page:
+        return 0, "no hugetlb support"
+    info = _meminfo()
+    room = max(0, info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)) * page
+    where = f"hugetlb pool free {room >> 20} MiB"
+    size = f"{page >> 30}GB" if page >= 1 << 30 else f"{page >> 20}MB"
+    for limit, used in ((f"/sys/fs/cgroup/hugetlb.{size}.max",
+                         f"/sys/fs/cgroup/hugetlb.{size}.current"),
+                        (f"/sys/fs/cgroup/hugetlb/hugetlb.{size}.limit_in_bytes",
+                         f"/sys/fs/cgroup/hugetlb/hugetlb.{size}.usage_in_bytes")):
+        try:
+            cap = int(Path(limit).read_text()) - int(Path(used).read_text())
+        except (OSError, ValueError):  # absent, or "max": no cap here
+            continue
+        room, where = min(room, max(0, cap)), f"{where}, cgroup room {max(0, cap) >> 20} MiB"
+        break
+    return room, where
 
 
 def segment_size(fd: int, size: int) -> int:
@@ -141,8 +171,9 @@ def check_sealed(fd: int, size: int, what: str) -> None:
     if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
         raise PleShmError(f"{what}: the fd is not a private shared-memory file "
                           f"(mode {oct(st.st_mode)})")
-    if st.st_size != segment_size(fd, size):
-        raise PleShmError(f"{what}: the fd holds {st.st_size} bytes, the table needs {size}")
+    if st.st_size != (want := segment_size(fd, size)):
+        raise PleShmError(f"{what}: the fd holds {st.st_size} bytes, the table needs {want} "
+                          f"({size} in {max(PAGE, st.st_blksize)} B pages)")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
@@ -187,8 +218,12 @@ class SharedSegment:
         if sealable:
             try:
                 fd = os.memfd_create(f"ray-ple-{kind}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            except OSError as exc:
+                raise PleShmError(f"cannot create a sealable {kind} segment: {exc}") from exc
+            try:
                 os.fchmod(fd, 0o600)
             except OSError as exc:
+                os.close(fd)
                 raise PleShmError(f"cannot create a sealable {kind} segment: {exc}") from exc
         else:
             fd = _open_nameless(kind, token, shm_dir)
@@ -203,7 +238,11 @@ class SharedSegment:
                     f"{size} bytes ({exc.strerror})"
                 ) from exc
             raise PleShmError(f"cannot reserve {size} bytes in {where}: {exc}") from exc
-        return cls(fd, size, token, owner=True)
+        try:
+            return cls(fd, size, token, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def _create_huge(cls, kind: str, size: int) -> SharedSegment:
@@ -211,21 +250,28 @@ class SharedSegment:
         if not page or not hasattr(os, "MFD_HUGETLB"):
             raise PleShmError(f"no hugetlb pages on this host for the ray-ple {kind} segment")
         size = page_align(size, page)
+        room, where = hugetlb_room()
+        if room < size:  # before fallocate would take (and zero) every free page in vain
+            raise PleShmError(f"the host's hugetlb pool cannot hold the ray-ple {kind} "
+                              f"segment: {size >> 20} MiB in {page >> 20} MiB pages, {where} "
+                              f"(a pod's hugepages-{page >> 20}Mi, or vm.nr_hugepages)")
         try:
             fd = os.memfd_create(f"ray-ple-{kind}",
                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
-            os.fchmod(fd, 0o600)
         except OSError as exc:
             raise PleShmError(f"cannot create a hugetlb {kind} segment: {exc}") from exc
         try:
+            os.fchmod(fd, 0o600)
             os.posix_fallocate(fd, 0, size)  # every huge page now, or one error now
+            return cls(fd, size, secrets.token_hex(16), owner=True)
         except OSError as exc:
             os.close(fd)
             raise PleShmError(
                 f"the host's hugetlb pool cannot hold the ray-ple {kind} segment: "
-                f"{size} bytes in {page >> 20} MiB pages ({exc.strerror}; see HugePages_Free "
-                f"in /proc/meminfo, or the pod's hugepages-{page >> 20}Mi resource)") from exc
-        return cls(fd, size, secrets.token_hex(16), owner=True)
+                f"{size >> 20} MiB in {page >> 20} MiB pages ({exc.strerror}; {where})") from exc
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def attach(cls, ref: SegmentRef) -> SharedSegment:

@@ -11,8 +11,9 @@ memory that the table and slots will take, not memory they already hold.
     shm          free space in /dev/shm against table + pair segments + object store + headroom
     cuda         each visible GPU maps host memory and runs stream memory operations
     host-memory  free host memory (node, and the container's cgroup) against table + pairs
-    huge-pages   the hugetlb pool's free pages (and the cgroup's hugetlb limit) against the
-                 table: where the table will sit with `ple.huge_pages: auto` (never a FAIL)
+    huge-pages   the hugetlb pool's free pages (less reserved ones, capped by the cgroup's
+                 hugetlb limit) against the table segment: where `ple.huge_pages: auto`
+                 puts it (never a FAIL)
     table        (--checkpoint) the checkpoint's table fits the bytes the pod was sized for
 
 No CUDA library is loaded unless the transport is cuda and a GPU is visible.
@@ -222,30 +223,14 @@ def check_host_memory(args: DoctorArgs) -> Check:
         f"{human(args.table_bytes)} + {args.workers} x pair {human(args.pair_bytes)}"))
 
 
-def hugetlb_room() -> tuple[int, int, str]:
-    """(bytes the table could take from the hugetlb pool, page bytes, where that comes from):
-    the pool's free pages, capped by this cgroup's hugetlb limit (a pod's hugepages-2Mi)."""
-    from ray_ple.protocol.shm import huge_page_size
+def check_huge_pages(args: DoctorArgs) -> Check:
+    """Where `ple.huge_pages: auto` will put the table segment (header page + rows, the
+    bytes the pod was sized for): never a failure, 4 KiB pages work everywhere."""
+    from ray_ple.protocol.shm import huge_page_size, hugetlb_room, page_align
 
     page = huge_page_size()
-    if not page:
-        return 0, 0, "no hugetlb support"
-    free = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("HugePages_Free:"):
-            free = int(line.split()[1]) * page
-    room, where = free, f"pool free {human(free)}"
-    name = f"hugetlb.{page >> 20}MB"
-    limit, used = Path(f"/sys/fs/cgroup/{name}.max"), Path(f"/sys/fs/cgroup/{name}.current")
-    if limit.exists() and used.exists() and limit.read_text().strip() != "max":
-        cap = int(limit.read_text()) - int(used.read_text())
-        room, where = min(room, cap), f"{where}, cgroup {name} room {human(cap)}"
-    return room, page, where
-
-
-def check_huge_pages(args: DoctorArgs) -> Check:
-    room, page, where = hugetlb_room()
-    table = -(-args.table_bytes // page) * page if page else args.table_bytes
+    room, where = hugetlb_room()
+    table = page_align(args.table_bytes, page) if page else args.table_bytes
     if page and args.table_bytes and room >= table:
         verdict = f">= table {human(table)}: the table goes on {page >> 20} MiB pages"
     else:
