@@ -324,9 +324,9 @@ def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float,
 def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
                    fp: str) -> SharedSegment:
     """The loader's new segment: on the hugetlb pool where `huge_pages` asks and the pool
-    holds it (a random row then misses no TLB entry for its page walk: part 0's gather of
-    64 rows 10.7 -> 9.3 us, 256 rows 30.2 -> 24.9 us on the H200 host, bench/cpu/README.md),
-    else 4 KiB shmem pages as before; "require" makes a short pool the one error."""
+    holds it (a step's first gather is bound by memory latency, and 2 MiB pages take most of
+    its page walks away: 3-18% on the H200 host, bench/cuda/README.md late-run17), else 4 KiB
+    shmem pages as before; "require" makes a short pool the one error."""
     if huge_pages != "off":
         try:
             return SharedSegment.create("table", size, shm_dir, sealable=True, huge=True)
