@@ -10,8 +10,9 @@ over threads): a whole row from the table itself, a part from the table viewed a
 run of *units*, the largest byte count that divides the row and every part's offset and
 width (one layer's 512 B on E4B), at indices `id * units_per_row + unit`. Fancy indexing of
 a column view (`table[idx, c0:c0 + w]`, how parts were gathered before) builds a temporary
-and copies it: 1.3-2.3x slower at T >= 256 (bench/cpu/results/gather-run1), and `np.take`
-on the column view itself first copies the whole table to make it contiguous.
+and copies it: a step's parts 1.7-2.3x slower at T >= 64 (bench/cpu/results/gather-run2;
+1.9-2.2x on the H200 host, bench/cuda/README.md late-run17), and `np.take` on the column
+view itself first copies the whole table to make it contiguous.
 
 With `gather_threads > 1`, steps of at least `_PARALLEL_MIN_TOKENS` tokens whose copy is
 a whole row or at least `_PARALLEL_MIN_PART_BYTES` are split by token over a thread pool;
@@ -106,8 +107,8 @@ class RowGatherer:
             w = out.shape[1]
             fit = self._unit_view(col_offset, w) if w != self.row_bytes else None
             if fit is not None and self._flat.size < (need := t * (w // fit[0])):
-                self._flat = np.zeros(max(need, self._idx.size), dtype=np.intp)  # before
-                # any thread takes its share of it
+                # grown here, before any thread takes its share of it
+                self._flat = np.zeros(max(need, self._idx.size), dtype=np.intp)
             if (self._pool is not None and t >= _PARALLEL_MIN_TOKENS
                     and (w == self.row_bytes or out.nbytes >= _PARALLEL_MIN_PART_BYTES)):
                 bounds = np.linspace(0, t, self._threads + 1).astype(int).tolist()
