@@ -43,11 +43,20 @@ def named_shm_bytes(shm_dir: str = "/dev/shm") -> int:
 
 
 def meminfo(key: str) -> int:
+    """A /proc/meminfo size in bytes; KeyError where the kernel has no such line."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def meminfo_count(key: str) -> int:
+    """A /proc/meminfo count (HugePages_*), 0 where the kernel has no such line."""
+    try:
+        return meminfo(key) // 1024
+    except KeyError:
+        return 0
 
 
 class Footprint(NamedTuple):
@@ -110,14 +119,6 @@ def hugetlb_bytes() -> int:
     pages = (meminfo_count("HugePages_Total") - meminfo_count("HugePages_Free")
              + meminfo_count("HugePages_Rsvd"))
     return pages * size
-
-
-def meminfo_count(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def footprint(raylets: list[int]) -> Footprint:

@@ -57,6 +57,7 @@ def huge_page_size() -> int:
 
 
 def _meminfo() -> dict[str, int]:
+    """/proc/meminfo's numbers as written (kB, or pages for HugePages_*)."""
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -137,11 +138,9 @@ def free_bytes(shm_dir: str) -> int:
 def shmem_bytes() -> int:
     """Shared memory in use system-wide (/proc/meminfo Shmem). Segments have no name once set
     up, so this, not /dev/shm, is where a second table copy or a leaked segment shows."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Shmem in /proc/meminfo")
+    if (kib := _meminfo().get("Shmem")) is None:
+        raise RuntimeError("no Shmem in /proc/meminfo")
+    return kib * 1024
 
 
 def _open_nameless(kind: str, token: str, shm_dir: str) -> int:
