@@ -21,9 +21,11 @@ if not _logger.handlers:
     _logger.propagate = False
 
 
-def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Emit `{"ray_ple": event, ...}` as one line."""
-    record = {"ray_ple": event, "ts": round(time.time(), 6), "pid": os.getpid()}
+def log_event(event: str, level: int = logging.INFO, *, ts: float | None = None,
+              **fields: Any) -> None:
+    """Emit `{"ray_ple": event, ...}` as one line; `ts` when the event happened before now."""
+    record = {"ray_ple": event, "ts": round(time.time() if ts is None else ts, 6),
+              "pid": os.getpid()}
     record.update(fields)
     _logger.log(level, json.dumps(record, default=str, separators=(",", ":")))
 

@@ -10,6 +10,7 @@ import enum
 import logging
 import os
 import sys
+import time
 from typing import Any, NamedTuple, NoReturn
 
 from ray_ple.log import log_event
@@ -63,10 +64,16 @@ def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
 def fail_closed(side: Side, reason: Reason, *, block: ControlBlock | None = None,
                 rank: int | None = None, layer: str | None = None, seq: int | None = None,
                 detail: str = "", **fields: Any) -> NoReturn:
-    """End this process now; the pair is marked FAILED so that every watcher sees why."""
+    """End this process now; the pair is marked FAILED so that every watcher sees why.
+
+    The line's time is the finding's, taken before the mark: a supervisor that reads FAILED
+    before this line is written still logs its detection after the side's.
+    """
+    found_at = time.time()
     mark_failed(block, reason)
-    log_event("verdict", level=logging.ERROR, where=side.value, reason=reason.name, rank=rank,
-              layer=layer, seq=seq, detail=detail[:500], **fields)
+    log_event("verdict", level=logging.ERROR, ts=found_at, where=side.value,
+              reason=reason.name, rank=rank, layer=layer, seq=seq, detail=detail[:500],
+              **fields)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODE)
