@@ -62,7 +62,8 @@ AnySpec = TinySpec | TinyGemma3nSpec
 
 PRESETS: dict[str, AnySpec] = {
     "tiny-gemma4": TinySpec(),
-    "tiny-gemma4-ple192": TinySpec(vocab_size_per_layer_input=192),
+    # three layers, so that a late part of two layers (`ple.parts: [1, 2]`) is compiled too
+    "tiny-gemma4-ple192": TinySpec(vocab_size_per_layer_input=192, num_hidden_layers=3),
     "small-gemma4": TinySpec(vocab_size=8192, vocab_size_per_layer_input=8192, hidden_size=512,
                              intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                              num_key_value_heads=2, head_dim=64, hidden_size_per_layer_input=64,

@@ -99,17 +99,18 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
 
 
 def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocabulary(cluster):
-    """Gemma 4's offload class waits for each part at its first layer's gate; compiled by
-    torch.compile (the pull ordered after the gate), tokens equal vLLM's own compiled model.
+    """Gemma 4's offload class waits for each part at its first layer's gate and combines
+    the part's layers there; compiled by torch.compile (the pull ordered after the gate),
+    tokens equal vLLM's own compiled model, for a part of one layer and one of two.
     The model's PLE vocabulary (192) is smaller than its vocabulary: ids beyond it read row 0,
     as vLLM maps them (one pair of engines covers both, each engine costs minutes on CPU)."""
     model = "ray-ple://tiny-gemma4-ple192"
     job = {"model": model, "batches": BATCHES, "engine": {"enforce_eager": False}}
-    offload = run_job(cluster, {**job, "ple": {"parts": [1, 1]}})  # layers per part
+    offload = run_job(cluster, {**job, "ple": {"parts": [1, 2]}})  # layers per part
     plain = run_job(cluster, {**job, "ple": {"enabled": False}})
     assert offload["tokens"] == plain["tokens"]
     (status,) = offload["status"]
-    assert len(status["published"]) == 2, "two slots, one per layer"
+    assert len(status["published"]) == 2, "two slots: layer 0, then layers 1 and 2"
     assert status["posted"] == status["released"] == min(status["published"]) > 0
     assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,

@@ -21,6 +21,11 @@ With `--timing`, both applications run with `RAY_PLE_TIMING=1` and a file sink
 gather and pull are stamped in the real replica and joined per step into `handoff.json`
 (the same table as `bench_offload.py`'s; one part per row, as the shipped tiny model has).
 
+With `--step-clock`, both applications' vLLM processes import `stepclock/sitecustomize.py`,
+which times vLLM's own worker calls (`execute_model`, the model forward, `sample_tokens`) and
+the engine core's `step` on both sides alike (`steps.json`: where an offloaded step's extra
+time sits, the worker's forward or around it).
+
 This is a benchmark, not a test: it asserts nothing about time.
 """
 
@@ -169,6 +174,42 @@ def served_handoff(timing_dir: Path) -> list[dict[str, Any]]:
     return [row for row in handoff_table(join_steps(worker, offload)) if row["steps"] >= 20]
 
 
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else float("nan")
+
+
+def served_steps(clock_dir: Path, skip_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Per side: each timed call's wall and thread-CPU us (median, p90), and the worker's step
+    period (one `exec` start to the next, decode-steady gaps under 50 ms)."""
+    out: dict[str, dict[str, Any]] = {}
+    for side in SIDES:
+        calls: dict[str, list[tuple[int, int, int]]] = {}
+        for f in sorted(clock_dir.glob(f"{side}-*.txt")):
+            for line in f.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 4:
+                    calls.setdefault(parts[0], []).append(tuple(map(int, parts[1:])))
+        if not calls:
+            continue
+        t_first = min(c[0] for cs in calls.values() for c in cs) + skip_s * 1e9
+        row: dict[str, Any] = {}
+        for kind, cs in sorted(calls.items()):
+            cs = sorted(c for c in cs if c[0] >= t_first)
+            if kind == "step":  # the engine core's idle polls return at once: steps that ran
+                cs = [c for c in cs if c[1] - c[0] > 100_000]
+            wall = [(b - a) / 1e3 for a, b, _ in cs]
+            cpu = [c / 1e3 for _, _, c in cs]
+            row[kind] = {"n": len(cs), "wall_us_median": _q(wall, 0.5),
+                         "wall_us_p90": _q(wall, 0.9), "cpu_us_median": _q(cpu, 0.5)}
+            if kind == "exec":
+                period = [(b[0] - a[0]) / 1e3 for a, b in zip(cs, cs[1:])
+                          if b[0] - a[0] < 50_000_000]
+                row["exec"]["period_us_median"] = _q(period, 0.5)
+        out[side] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -183,6 +224,8 @@ def main() -> None:
                     help="extra env var for both applications' replicas")
     ap.add_argument("--timing", action="store_true",
                     help="stamp the served pair's hand-off (handoff.json; slows it slightly)")
+    ap.add_argument("--step-clock", action="store_true",
+                    help="time vLLM's worker and engine-core calls on both sides (steps.json)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(ENV)
@@ -199,6 +242,13 @@ def main() -> None:
         shutil.rmtree(timing_dir, ignore_errors=True)
         timing_dir.mkdir()
         extra.update(RAY_PLE_TIMING="1", RAY_PLE_TIMING_DIR=str(timing_dir))
+    clock_dir = a.out.resolve() / "stepclock"  # per-process call files (.gitignore)
+    if a.step_clock:
+        shutil.rmtree(clock_dir, ignore_errors=True)
+        clock_dir.mkdir()
+        here = str(Path(__file__).resolve().parent / "stepclock")
+        extra.update(RAY_PLE_STEPCLOCK_DIR=str(clock_dir),
+                     PYTHONPATH=os.pathsep.join(p for p in (here, extra.get("PYTHONPATH")) if p))
     cfg_path = a.out / "serve_config.yaml"
     sides = (a.only,) if a.only else SIDES
     cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra, sides), sort_keys=False))
@@ -237,7 +287,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({"event": "round", **row}), flush=True)
     finally:
-        if a.timing:
+        if a.timing or a.step_clock:
             time.sleep(2.5)  # every process's sink writes its last second out
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -258,6 +308,10 @@ def main() -> None:
         table = served_handoff(timing_dir)
         (a.out / "handoff.json").write_text(json.dumps(table, indent=1))
         summary["handoff"] = table
+    if a.step_clock:
+        steps = served_steps(clock_dir)
+        (a.out / "steps.json").write_text(json.dumps(steps, indent=1))
+        summary["steps"] = steps
     print(json.dumps({"event": "summary", **summary}, indent=1))
 
 

@@ -8,10 +8,10 @@ and moves the rest of the combine of layer l to layer l's gate:
 
     projection = proj(embeds) * ps, as [T, L, d]            # vLLM's steps 1-3, up front
     layer l:  attention, MLP (vLLM's code)                  # the offload side gathers meanwhile
-              rows_l = rows_for_layer(l)                    # the wait for l's part, if first
-              c_l = (norm(projection[:, l]) + rows_l * es) * s    # vLLM's steps 4-5
-              settle(c_l)                                   # stored in bf16, as vLLM's is
-              PLE gate with c_l, layer scalar (vLLM's code)
+              if l is the first layer of its part p:        # the wait for p's rows
+                  c_p = (norm(projection[:, p]) + rows_p * es) * s   # vLLM's steps 4-5, p's layers
+                  settle(c_p)                               # stored in bf16, as vLLM's is
+              PLE gate with c_p[:, l], layer scalar (vLLM's code)
 
 Each part is one slot of the pair (`ple.parts`, `PleGeometry.slots`: consecutive layers, one
 flag each, raised by the offload side as soon as its rows are written). Every part's pull is
@@ -167,7 +167,7 @@ class LateGemma4Model(Gemma4Model):
 
     def start_parts(self, num_tokens: int | torch.SymInt,
                     device: torch.device) -> list[torch.Tensor]:
-        """Every part's buffer of the step, its pull started (joined by `rows_for_layer`)."""
+        """Every part's buffer of the step, its pull started (joined by `combine`)."""
         return [ops.start_part(name, num_tokens, elems, self.embed_tokens_per_layer.dtype,
                                device)
                 for name, elems in zip(self.late_slot_names, self.late_slot_elems, strict=True)]
@@ -175,17 +175,6 @@ class LateGemma4Model(Gemma4Model):
     def _join_part(self, part: int, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """`T x (len(part) * d)` raw rows of one part, waited for once `after` exists."""
         return ops.join_part(self.late_slot_names[part], out, after)
-
-    def rows_for_layer(self, layer_idx: int, after: torch.Tensor,
-                       parts: list[torch.Tensor], joined: set[int]) -> torch.Tensor:
-        """Layer `layer_idx`'s `T x d` raw rows; its part is joined on the first ask."""
-        part = self.late_part_of[layer_idx]
-        if part not in joined:
-            joined.add(part)
-            parts[part] = self._join_part(part, parts[part], after)
-        d = self.hidden_size_per_layer_input
-        k = layer_idx - self.late_parts[part].start
-        return parts[part][:, k * d:(k + 1) * d]
 
     def scaled_projection(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
         """Steps 1-3 of vLLM's `project_per_layer_inputs`: `[T, L, d]`, not yet normed."""
@@ -200,16 +189,31 @@ class LateGemma4Model(Gemma4Model):
 
     def combine(self, layer_idx: int, projection: torch.Tensor, after: torch.Tensor,
                 parts: list[torch.Tensor], joined: set[int]) -> torch.Tensor:
-        """Steps 4-5 of vLLM's `project_per_layer_inputs` on layer `layer_idx`'s slice.
+        """Layer `layer_idx`'s `T x d` combined input; its part's, all layers at once, on the
+        first ask (the part's wait), so a part costs one norm and one combine, as vLLM's
+        whole table does, not one per layer."""
+        part = self.late_part_of[layer_idx]
+        if part not in joined:
+            joined.add(part)
+            rows = self._join_part(part, parts[part], after)
+            parts[part] = self._combine_part(part, projection, rows)
+        return parts[part][:, layer_idx - self.late_parts[part].start]
+
+    def _combine_part(self, part: int, projection: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """Steps 4-5 of vLLM's `project_per_layer_inputs` on one part's layers: `[T, n, d]`.
 
         The norm runs here, not up front, so that under piecewise graphs only the
         projection's matmul output (bf16 in vLLM's graph too) crosses a graph boundary and
-        the norm stays fused, in fp32, into the combine as in vLLM's kernel.
+        the norm stays fused, in fp32, into the combine as in vLLM's kernel. Norm and
+        combine are per row of d and elementwise: the part's slice gets each element's
+        operations exactly as vLLM's whole `[T, L, d]` does.
         """
         dec = self.self_decoder
-        normed = dec.per_layer_projection_norm(projection[:, layer_idx, :])
-        rows = self.rows_for_layer(layer_idx, after, parts, joined)
-        ple = rows * dec.embed_scale_per_layer
+        layers = self.late_parts[part]
+        normed = dec.per_layer_projection_norm(projection[:, layers.start:layers.stop])
+        ple = rows.unflatten(1, (len(layers), self.hidden_size_per_layer_input))
+        ple = ple * dec.embed_scale_per_layer
         combined = (normed + ple) * dec.per_layer_input_scale
         torch.ops.ray_ple.settle(combined)
         return combined
