@@ -13,7 +13,8 @@ timed exactly as the offloaded one):
 and writes one line per call, `kind t0_ns t1_ns thread_cpu_ns`, to
 `<dir>/<side>-<pid>.txt` once a second (`side` is `ple` when the engine's worker class is
 ray-ple's). `RAY_PLE_STEPCLOCK_EXTRA` (`module:Class.method,...`) times more methods the
-same way, each named `Class.method` (inside a worker step: the side is already known).
+same way, each named `Class.method` (ray-ple's classes count as the `ple` side, so the
+offload actor's loop can be timed too).
 Without `RAY_PLE_STEPCLOCK_DIR` it does nothing.
 """
 
@@ -69,8 +70,9 @@ def _core_side(core) -> str:  # noqa: ANN001
     return "ple" if "ray_ple" in str(core.vllm_config.parallel_config.worker_cls) else "plain"
 
 
-def _known_side(_obj) -> str:  # noqa: ANN001
-    return "unknown"
+def _extra_side(obj) -> str:  # noqa: ANN001
+    """ray-ple's own objects (the offload actor's, say) run only on the offloaded side."""
+    return "ple" if type(obj).__module__.startswith("ray_ple") else "unknown"
 
 
 _EXTRA: dict[str, list[str]] = {}
@@ -83,7 +85,7 @@ def _patch(name: str, module) -> None:  # noqa: ANN001
     for attr in _EXTRA.get(name, ()):
         cls_name, meth = attr.split(".")
         cls = getattr(module, cls_name)
-        setattr(cls, meth, _timed(attr, getattr(cls, meth), _known_side))
+        setattr(cls, meth, _timed(attr, getattr(cls, meth), _extra_side))
     if name == "vllm.v1.worker.gpu_worker":
         w = module.Worker
         w.execute_model = _timed("exec", w.execute_model, _worker_side)
