@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -194,6 +196,35 @@ def test_an_announced_step_wakes_the_offload_side_which_spins_for_the_stream_pos
     assert counters == (1, (1,), 1)
     assert off.is_alive() and _peek(handle).state is State.READY
     parent.send("stop")
+    off_conn.send("stop")
+    wproc.join(10)
+    off.join(10)
+    assert ple_shm_entries() == []
+
+
+def test_a_spinning_offload_side_serves_back_to_back_steps_then_sleeps(ckpt, tmp_path):
+    """`offload_spin_us`: between steps the offload side spins (yielding its core), so a
+    step posted within the spin is served without a wake-up (`sleeping` stays down, so the
+    worker never rings); once no post came for the spin's length it sleeps on its doorbell
+    and a later post rings it awake."""
+    path, table = ckpt
+    spin_s = 1.0  # the most `offload_spin_us` allows
+    spec = spec_for(path, max_tokens=16, offload_spin_us=spin_s * 1e6)
+    off, handle, off_conn = start_offload(spec)
+    block = _peek(handle)
+    steps = [[i % 500, (7 * i) % 500] for i in range(300)] + [[4, 5]]
+    wproc, wconn = start_worker(handle, spec.geometry, steps, table, tmp_path, pause_at=300)
+    assert wconn.recv() == ("paused", 300)
+    t_done = time.monotonic()
+    assert block.sleeping is False, "spinning after the last step, not asleep"
+    while not block.sleeping and time.monotonic() - t_done < 15:
+        time.sleep(0.01)
+    asleep_after = time.monotonic() - t_done
+    assert block.sleeping is True and asleep_after > spin_s / 2, asleep_after
+    wconn.send("go")  # one more step: the worker rings, the sleeping side wakes and serves it
+    assert wconn.recv() == ("done", 0)
+    assert block.counters() == (301, (301,), 301)
+    wconn.send("stop")
     off_conn.send("stop")
     wproc.join(10)
     off.join(10)
