@@ -58,8 +58,7 @@ class PleConfig(Frozen):
     )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "
-        "blocks on the doorbell (no wake-up per decode step; the spin yields its core to any "
-        "other runnable task between checks)"
+        "blocks on the doorbell (GPU decode latency; costs a core while it spins)"
     )
     shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
     huge_pages: HugePages = Field(

@@ -203,10 +203,10 @@ def test_an_announced_step_wakes_the_offload_side_which_spins_for_the_stream_pos
 
 
 def test_a_spinning_offload_side_serves_back_to_back_steps_then_sleeps(ckpt, tmp_path):
-    """`offload_spin_us`: between steps the offload side spins (yielding its core), so a
-    step posted within the spin is served without a wake-up (`sleeping` stays down, so the
-    worker never rings); once no post came for the spin's length it sleeps on its doorbell
-    and a later post rings it awake."""
+    """`offload_spin_us`: between steps the offload side spins, so a step posted within the
+    spin is served without a wake-up (`sleeping` stays down, so the worker never rings);
+    once no post came for the spin's length it sleeps on its doorbell and a later post
+    rings it awake."""
     path, table = ckpt
     spin_s = 1.0  # the most `offload_spin_us` allows
     spec = spec_for(path, max_tokens=16, offload_spin_us=spin_s * 1e6)

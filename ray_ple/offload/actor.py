@@ -151,7 +151,7 @@ class OffloadActor:
                 end.await_post()
                 continue
             if spin_s and wait_until(lambda last=end.last: b.posted != last, spin_s,
-                                     spin_s=spin_s, yield_cpu=True):
+                                     spin_s=spin_s):
                 continue  # a post arrived while spinning: serve it on the next turn
             end.sleep(lambda: self._bell.wait(poll) and timing.ENABLED
                       and timing.record("wake", time.monotonic_ns()))

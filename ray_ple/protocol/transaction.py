@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -231,13 +230,9 @@ def publish_deadline(deadlines: PleDeadlines) -> Deadline:
 
 
 def wait_until(ready: Callable[[], bool], deadline_s: float, *, spin_s: float = 50e-6,
-               abort: Callable[[], bool] | None = None, yield_cpu: bool = False) -> bool:
+               abort: Callable[[], bool] | None = None) -> bool:
     """The one wait: bounded spin, then sleep with backoff, until `ready()`. False on
-    deadline or abort (checked once more first, so a late arrival is never lost).
-
-    `yield_cpu`: the spin gives the core to any other runnable task between checks
-    (`sched_yield`, as vLLM's engine spins on its queues), for long spins on a host whose
-    cores are shared."""
+    deadline or abort (checked once more first, so a late arrival is never lost)."""
     if ready():
         return True
     start = time.perf_counter()
@@ -252,8 +247,6 @@ def wait_until(ready: Callable[[], bool], deadline_s: float, *, spin_s: float = 
         if now >= end_spin:
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
-        elif yield_cpu:
-            os.sched_yield()
 
 
 # The two ends --------------------------------------------------------------------------------
