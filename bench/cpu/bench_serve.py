@@ -179,35 +179,63 @@ def _q(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else float("nan")
 
 
-def served_steps(clock_dir: Path, skip_s: float = 0.0) -> dict[str, dict[str, Any]]:
-    """Per side: each timed call's wall and thread-CPU us (median, p90), and the worker's step
-    period (one `exec` start to the next, decode-steady gaps under 50 ms)."""
-    out: dict[str, dict[str, Any]] = {}
-    for side in SIDES:
-        calls: dict[str, list[tuple[int, int, int]]] = {}
-        for f in sorted(clock_dir.glob(f"{side}-*.txt")):
-            for line in f.read_text().splitlines():
-                parts = line.split()
-                if len(parts) == 4:
-                    calls.setdefault(parts[0], []).append(tuple(map(int, parts[1:])))
-        if not calls:
+def _calls(clock_dir: Path, side: str) -> dict[str, list[tuple[int, int, int]]]:
+    """kind -> [(t0_ns, t1_ns, thread_cpu_ns)] of one side's processes, by start time."""
+    calls: dict[str, list[tuple[int, int, int]]] = {}
+    for f in sorted(clock_dir.glob(f"{side}-*.txt")):
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                calls.setdefault(parts[0], []).append(tuple(map(int, parts[1:])))
+    return {k: sorted(v) for k, v in calls.items()}
+
+
+def _stats(calls: dict[str, list[tuple[int, int, int]]], t0: int, t1: int) -> dict[str, Any]:
+    """Each timed call's wall and thread-CPU us (median, p90) started in [t0, t1), and the
+    worker's step period (one `exec` start to the next, gaps under 50 ms)."""
+    row: dict[str, Any] = {}
+    for kind, cs in sorted(calls.items()):
+        cs = [c for c in cs if t0 <= c[0] < t1]
+        if kind == "step":  # the engine core's idle polls return at once: steps that ran
+            cs = [c for c in cs if c[1] - c[0] > 100_000]
+        if not cs:
             continue
-        t_first = min(c[0] for cs in calls.values() for c in cs) + skip_s * 1e9
-        row: dict[str, Any] = {}
-        for kind, cs in sorted(calls.items()):
-            cs = sorted(c for c in cs if c[0] >= t_first)
-            if kind == "step":  # the engine core's idle polls return at once: steps that ran
-                cs = [c for c in cs if c[1] - c[0] > 100_000]
-            wall = [(b - a) / 1e3 for a, b, _ in cs]
-            cpu = [c / 1e3 for _, _, c in cs]
-            row[kind] = {"n": len(cs), "wall_us_median": _q(wall, 0.5),
-                         "wall_us_p90": _q(wall, 0.9), "cpu_us_median": _q(cpu, 0.5)}
-            if kind == "exec":
-                period = [(b[0] - a[0]) / 1e3 for a, b in zip(cs, cs[1:])
-                          if b[0] - a[0] < 50_000_000]
-                row["exec"]["period_us_median"] = _q(period, 0.5)
-        out[side] = row
-    return out
+        wall = [(b - a) / 1e3 for a, b, _ in cs]
+        row[kind] = {"n": len(cs), "wall_us_median": _q(wall, 0.5),
+                     "wall_us_p90": _q(wall, 0.9),
+                     "cpu_us_median": _q([c / 1e3 for _, _, c in cs], 0.5)}
+        if kind == "exec":
+            period = [(b[0] - a[0]) / 1e3 for a, b in zip(cs, cs[1:]) if b[0] - a[0] < 50_000_000]
+            row["exec"]["period_us_median"] = _q(period, 0.5)
+    return row
+
+
+def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per round and side, the step clock's figures inside that side's client window; and
+    over rounds, the median of each round's ple - plain difference (us) and of the client's
+    TPOT difference, so that what the engine adds can be set against what the client sees."""
+    calls = {side: _calls(clock_dir, side) for side in SIDES}
+    per_round = []
+    for r in rows:
+        per_round.append({"round": r["round"], **{
+            side: _stats(calls[side], *r[side]["window_ns"]) for side in SIDES if side in r}})
+    diffs: dict[str, list[float]] = {}
+    for r, pr in zip(rows, per_round):
+        if not all(side in r for side in SIDES):
+            continue
+        diffs.setdefault("client_tpot_median_us", []).append(
+            1e3 * (r["ple"]["median_tpot_ms"] - r["plain"]["median_tpot_ms"]))
+        for kind in ("exec", "fwd", "sample", "step"):
+            a, b = pr["ple"].get(kind), pr["plain"].get(kind)
+            if a and b:
+                for m in ("wall_us_median", "cpu_us_median"):
+                    diffs.setdefault(f"{kind}.{m}", []).append(a[m] - b[m])
+        a, b = pr["ple"].get("exec"), pr["plain"].get("exec")
+        if a and b:
+            diffs.setdefault("exec.period_us_median", []).append(
+                a["period_us_median"] - b["period_us_median"])
+    summary = {k: round(statistics.median(v), 1) for k, v in diffs.items()}
+    return {"median_over_rounds_of_ple_minus_plain": summary, "rounds": per_round}
 
 
 def main() -> None:
@@ -276,9 +304,11 @@ def main() -> None:
             got = {}
             for side in order:
                 before = cpu_seconds(proc.pid)
+                t0 = time.monotonic_ns()  # the step clock's clock (CLOCK_MONOTONIC)
                 res = bench(client_args(side, model, tokenizer, a, a.out / "client",
                                         f"round{r}-{side}.json"))
                 got[side] = {m: res[m] for m in METRICS}
+                got[side]["window_ns"] = [t0, time.monotonic_ns()]
                 got[side]["cpu_s"] = cpu_spent(before, cpu_seconds(proc.pid))
                 got[side]["load1"] = os.getloadavg()[0]
             row = {"round": r, "order": list(order), **got}
@@ -309,7 +339,7 @@ def main() -> None:
         (a.out / "handoff.json").write_text(json.dumps(table, indent=1))
         summary["handoff"] = table
     if a.step_clock:
-        steps = served_steps(clock_dir)
+        steps = served_steps(clock_dir, rows)
         (a.out / "steps.json").write_text(json.dumps(steps, indent=1))
         summary["steps"] = steps
     print(json.dumps({"event": "summary", **summary}, indent=1))
