@@ -203,11 +203,11 @@ class LateGemma4Model(Gemma4Model):
                       rows: torch.Tensor) -> torch.Tensor:
         """Steps 4-5 of vLLM's `project_per_layer_inputs` on one part's layers: `[T, n, d]`.
 
-        The norm runs here, not up front, so that under piecewise graphs only the
-        projection's matmul output (bf16 in vLLM's graph too) crosses a graph boundary and
-        the norm stays fused, in fp32, into the combine as in vLLM's kernel. Norm and
-        combine are per row of d and elementwise: the part's slice gets each element's
-        operations exactly as vLLM's whole `[T, L, d]` does.
+        The norm runs here, not up front, so that under piecewise graphs what crosses a
+        graph boundary is the projection's matmul output and the settled combined part (both
+        bf16 in vLLM's graph too), and the norm stays fused, in fp32, into the combine as in
+        vLLM's kernel. Norm and combine are per row of d and elementwise: the part's slice
+        gets each element's operations exactly as vLLM's whole `[T, L, d]` does.
         """
         dec = self.self_decoder
         layers = self.late_parts[part]
