@@ -213,7 +213,8 @@ def _stats(calls: dict[str, list[tuple[int, int, int]]], t0: int, t1: int) -> di
 def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round and side, the step clock's figures inside that side's client window; and
     over rounds, the median of each round's ple - plain difference (us) and of the client's
-    TPOT difference, so that what the engine adds can be set against what the client sees."""
+    TPOT difference, so that what the engine adds can be set against what the client sees
+    (a call timed on one side only: the median of that side's figure, `side:kind`)."""
     calls = {side: _calls(clock_dir, side) for side in SIDES}
     per_round = []
     for r in rows:
@@ -234,6 +235,12 @@ def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if a and b:
             diffs.setdefault("exec.period_us_median", []).append(
                 a["period_us_median"] - b["period_us_median"])
+        for side in SIDES:  # calls of one side only (RAY_PLE_STEPCLOCK_EXTRA): its own figure
+            other = pr[SIDES[1 - SIDES.index(side)]]
+            for kind, st in pr[side].items():
+                if kind not in other:
+                    for m in ("wall_us_median", "cpu_us_median"):
+                        diffs.setdefault(f"{side}:{kind}.{m}", []).append(st[m])
     summary = {k: round(statistics.median(v), 1) for k, v in diffs.items()}
     return {"median_over_rounds_of_ple_minus_plain": summary, "rounds": per_round}
 
