@@ -203,18 +203,19 @@ def test_an_announced_step_wakes_the_offload_side_which_spins_for_the_stream_pos
 
 
 def test_a_spinning_offload_side_serves_back_to_back_steps_then_sleeps(ckpt, tmp_path):
-    """`offload_spin_us`: between steps the offload side spins, so a step posted within the
-    spin is served without a wake-up (`sleeping` stays down, so the worker never rings);
-    once no post came for the spin's length it sleeps on its doorbell and a later post
-    rings it awake."""
+    """`offload_spin_us`: after a step the offload side spins (`sleeping` stays down, so a
+    step posted meanwhile needs no ring) and serves back-to-back steps; once no post came
+    for the spin's length it sleeps on its doorbell, and a later post is still served."""
     path, table = ckpt
     spin_s = 1.0  # the most `offload_spin_us` allows
     spec = spec_for(path, max_tokens=16, offload_spin_us=spin_s * 1e6)
     off, handle, off_conn = start_offload(spec)
     block = _peek(handle)
     steps = [[i % 500, (7 * i) % 500] for i in range(300)] + [[4, 5]]
+    t0 = time.monotonic()
     wproc, wconn = start_worker(handle, spec.geometry, steps, table, tmp_path, pause_at=300)
     assert wconn.recv() == ("paused", 300)
+    assert time.monotonic() - t0 < 60, "a spin that missed posts would take ~1 s a step"
     _, published_ns = block.stamps()  # the last step's publish, on this process's clock
     if time.monotonic_ns() - published_ns < spin_s * 0.5e9:  # (unless this test was late)
         assert block.sleeping is False, "spinning after the last step, not asleep"

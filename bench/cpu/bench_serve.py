@@ -191,8 +191,8 @@ def _calls(clock_dir: Path, side: str) -> dict[str, list[tuple[int, int, int]]]:
 
 
 def _stats(calls: dict[str, list[tuple[int, int, int]]], t0: int, t1: int) -> dict[str, Any]:
-    """Each timed call's wall and thread-CPU us (median, p90) started in [t0, t1), and the
-    worker's step period (one `exec` start to the next, gaps under 50 ms)."""
+    """Each timed call started in [t0, t1): wall us (median, p90) and thread-CPU us
+    (median); and the worker's step period (one `exec` start to the next, gaps under 50 ms)."""
     row: dict[str, Any] = {}
     for kind, cs in sorted(calls.items()):
         cs = [c for c in cs if t0 <= c[0] < t1]
@@ -232,7 +232,7 @@ def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
                 for m in ("wall_us_median", "cpu_us_median"):
                     diffs.setdefault(f"{kind}.{m}", []).append(a[m] - b[m])
         a, b = pr["ple"].get("exec"), pr["plain"].get("exec")
-        if a and b:
+        if a and b and a["n"] > 1 and b["n"] > 1:
             diffs.setdefault("exec.period_us_median", []).append(
                 a["period_us_median"] - b["period_us_median"])
         for side in SIDES:  # calls of one side only (RAY_PLE_STEPCLOCK_EXTRA): its own figure
@@ -282,8 +282,8 @@ def main() -> None:
         shutil.rmtree(clock_dir, ignore_errors=True)
         clock_dir.mkdir()
         here = str(Path(__file__).resolve().parent / "stepclock")
-        extra.update(RAY_PLE_STEPCLOCK_DIR=str(clock_dir),
-                     PYTHONPATH=os.pathsep.join(p for p in (here, extra.get("PYTHONPATH")) if p))
+        extra.update(RAY_PLE_STEPCLOCK_DIR=str(clock_dir), PYTHONPATH=os.pathsep.join(
+            p for p in (here, extra.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p))
     cfg_path = a.out / "serve_config.yaml"
     sides = (a.only,) if a.only else SIDES
     cfg_path.write_text(yaml.safe_dump(two_app_config(base, extra, sides), sort_keys=False))

@@ -36,8 +36,9 @@ _side: list[str] = []
 def _flusher() -> None:
     while True:
         time.sleep(1.0)
-        with _lock:
-            lines, _records[:] = list(_records), []
+        with _lock:  # appenders never take the lock: take what is there, drop only that
+            lines = _records[:]
+            del _records[:len(lines)]
         if lines and _side:
             with open(os.path.join(_DIR, f"{_side[0]}-{os.getpid()}.txt"), "a") as f:
                 f.write("".join(lines))

@@ -24,13 +24,14 @@ piecewise CUDA graphs a fork cannot be joined in another piece, so there the joi
 waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
 whole row is joined at layer 0's gate.
 
-Arithmetic: norm and combine are per row of d and elementwise, so computing them per layer
-slice gives each element the same operations in the same order on the same dtypes (the
-model's own norm, `embed_scale_per_layer` and bf16-rounded `per_layer_input_scale`), in
-eager mode by construction. Compiled, Inductor decides what is stored in bf16 and what stays
-fp32 inside a fused kernel: vLLM's graph stores the combined input once (the norm fused in,
-fp32), so here only the projection matmul's bf16 output is kept across layers and `settle`
-makes the combined slice a stored bf16 buffer before the gate reads it. Ids outside
+Arithmetic: norm and combine are per row of d and elementwise, so computing them on a
+part's slice of layers gives each element the same operations in the same order on the same
+dtypes (the model's own norm, `embed_scale_per_layer` and bf16-rounded
+`per_layer_input_scale`), in eager mode by construction. Compiled, Inductor decides what is
+stored in bf16 and what stays fp32 inside a fused kernel: vLLM's graph stores the combined
+input once (the norm fused in, fp32), so here what is kept across layers is the projection
+matmul's bf16 output and each part's combined input, which `settle` makes a stored bf16
+buffer before any gate reads it. Ids outside
 `vocab_size_per_layer_input` map to row 0 on the offload side (its gather), as vLLM's
 `torch.where` does. Refused: kv-sharing fast prefill (YOCO's split forward builds every
 layer's input inside the self-decoder and copies it for the cross-decoder) and any vLLM
