@@ -132,8 +132,8 @@ def _gemma4(spec: TinySpec) -> Any:
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
         global_head_dim=spec.head_dim,
         # the last layer attends fully (transformers forces it so, with a warning)
-        layer_types=["sliding_attention"] * (spec.num_hidden_layers % 2)
-        + ["sliding_attention", "full_attention"] * (spec.num_hidden_layers // 2),
+        layer_types=["sliding_attention", "full_attention"] * (spec.num_hidden_layers // 2)
+        + ["full_attention"] * (spec.num_hidden_layers % 2),
         sliding_window=spec.sliding_window,
         max_position_embeddings=spec.max_position_embeddings,
         vocab_size_per_layer_input=spec.vocab_size_per_layer_input,
