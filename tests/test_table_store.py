@@ -204,3 +204,41 @@ def test_auto_takes_a_pool_that_holds_the_table_and_off_never(tmp_path, huge_poo
     assert hugetlb_pool()[0] == (got - need if on_pool else got)
     a_conn.send("stop")
     a.join(10)
+
+
+def test_seal_waits_out_a_transient_pin_and_names_one_that_stays(monkeypatch):
+    """A page of the file with an extra reference makes the kernel refuse the write seal
+    (EBUSY): here a real one, a page of the segment spliced into a pipe. A pin that goes
+    (the pipe drained) is waited out; one that stays is one clear error at the bound."""
+    import fcntl
+    import threading
+
+    from ray_ple.errors import PleShmError
+    from ray_ple.protocol import shm
+
+    def pinned_segment() -> tuple[SharedSegment, int]:
+        seg = SharedSegment.create("t", 1 << 20, sealable=True)
+        seg.map[:4096] = b"r" * 4096
+        r, w = os.pipe()
+        assert os.splice(seg.fd, w, 4096, offset_src=0) == 4096  # the pipe holds the page
+        os.close(w)
+        return seg, r
+
+    seg, r = pinned_segment()
+    drain = threading.Timer(0.5, lambda: os.read(r, 4096))
+    drain.start()
+    t0 = time.monotonic()
+    seg.seal()
+    assert time.monotonic() - t0 >= 0.4, "sealed while the page was still pinned"
+    assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & shm.SEALS == shm.SEALS
+    drain.join()
+    os.close(r)
+    seg.close()
+
+    monkeypatch.setattr(shm, "SEAL_WAIT_S", 0.3)
+    seg, r = pinned_segment()
+    with pytest.raises(PleShmError, match="cannot seal the segment: .*busy"):
+        seg.seal()
+    os.close(r)
+    seg.close()
+    assert ple_shm_entries() == []

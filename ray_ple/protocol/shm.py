@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from ray_ple.errors import PleEnvironmentError, PleHandleError, PleShmError
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+SEAL_WAIT_S = 5.0  # how long `seal` waits out pinned pages (EBUSY) at setup
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _NAME = re.compile(r"^ray-ple-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{32}$")
 
@@ -280,12 +282,23 @@ class SharedSegment:
     def seal(self) -> None:
         """Freeze a `sealable` segment once written: no write, resize or new seal by anyone
         from now on; this holder keeps a read-only mapping. Every view of the writable mapping
-        must be gone (the kernel refuses the write seal while a writable mapping exists)."""
+        must be gone (the kernel refuses the write seal while a writable mapping exists).
+
+        The kernel also refuses it (EBUSY) while a page of the file holds an extra reference
+        (a splice in flight, a per-CPU LRU batch), after waiting about 150 ms itself; such a
+        pin is transient, so setup waits up to `SEAL_WAIT_S` before that is its one error.
+        """
         self.map.close()
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as exc:
-            raise PleShmError(f"cannot seal the segment: {exc}") from exc
+        deadline = time.monotonic() + SEAL_WAIT_S
+        while True:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise PleShmError(f"cannot seal the segment: {exc}") from exc
         self.writable = False
         self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
 
