@@ -84,11 +84,24 @@ torch.library.register_fake("ray_ple::pull_async", _pull_fake, lib=_LIB)
 torch.library.register_fake("ray_ple::pull_wait", _pull_wait_fake, lib=_LIB)
 
 
+def eager_on_cpu(t: torch.Tensor) -> bool:
+    """A CPU forward that no tracer sees: there the ops' Python kernels are called directly.
+
+    The op exists for tracers (an opaque, ordered mutation of `out`); called eagerly, the
+    dispatcher's round trip to the same Python kernel is pure cost, a microsecond or more per
+    call on a millisecond CPU forward. On CUDA the op is always called: a served GPU forward
+    replays a graph, and the tested path stays the one path."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The offloaded lookup of one layer: `num_tokens x row_elems` rows of the step."""
     out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
-    torch.ops.ray_ple.pull(out, layer_name)
+    if eager_on_cpu(out):
+        _pull(out, layer_name)
+    else:
+        torch.ops.ray_ple.pull(out, layer_name)
     return out
 
 
@@ -106,5 +119,8 @@ def start_part(slot_name: str, num_tokens: int | torch.SymInt, row_elems: int,
 
 def join_part(slot_name: str, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """The late wait: `out` (from `start_part`) holds the step's rows once `after` exists."""
-    torch.ops.ray_ple.pull_wait(out, after, slot_name)
+    if eager_on_cpu(out):
+        _pull_wait(out, after, slot_name)
+    else:
+        torch.ops.ray_ple.pull_wait(out, after, slot_name)
     return out

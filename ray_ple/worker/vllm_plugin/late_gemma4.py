@@ -216,7 +216,8 @@ class LateGemma4Model(Gemma4Model):
         ple = rows.unflatten(1, (len(layers), self.hidden_size_per_layer_input))
         ple = ple * dec.embed_scale_per_layer
         combined = (normed + ple) * dec.per_layer_input_scale
-        torch.ops.ray_ple.settle(combined)
+        if torch.compiler.is_compiling():  # eager, every result is a stored buffer already
+            torch.ops.ray_ple.settle(combined)
         return combined
 
     def forward(
