@@ -8,7 +8,9 @@ reserve 0.1 CPU so that the two fit a 2-CPU machine. vLLM's benchmark client
 a time against one application, then the other, in rounds that alternate the order (AB,
 BA, ...), so that what else runs on this shared machine falls on both sides alike. Every ratio
 is offload/plain of one round; the summary is the median over rounds. Per side and round, the
-CPU seconds of every process of the cluster are recorded too (where the time went).
+CPU seconds of every process of the cluster are recorded too (where the time went), and each
+process's main thread's run-queue wait, involuntary switches and core migrations (whether it
+ran when it could: `Sched`).
 
 Both applications stay up throughout, so the idle one's background work (the `ple` side's
 supervisor and offload actor, a few % of a core) falls on both sides; bench/cpu/README.md
@@ -38,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -45,7 +48,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import requests
@@ -104,8 +107,32 @@ def wait_ready(proc: subprocess.Popen, model: str, log: Path, sides: tuple[str, 
         sys.exit(f"not served in {timeout}s: {sorted(pending)}\n{log.read_text()[-4000:]}")
 
 
-def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
-    """pid -> (name, user + system seconds) of every process of the `serve run` tree."""
+class Sched(NamedTuple):
+    """One process's counters: CPU seconds (all threads), and its main thread's scheduler
+    figures, which say whether it ran when it could (`/proc/<pid>/task/<pid>/schedstat`: the
+    time it sat runnable on a run queue; `sched`: switches it did not ask for, and moves to
+    another core)."""
+
+    cpu_s: float
+    runq_wait_s: float = 0.0
+    involuntary: int = 0
+    migrations: int = 0
+
+
+def _main_thread(pid: int) -> tuple[float, int, int]:
+    try:
+        runq_ns = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1])
+        fields = {k.strip(): v for k, v in (
+            line.split(":", 1) for line in
+            Path(f"/proc/{pid}/task/{pid}/sched").read_text().splitlines()[2:] if ":" in line)}
+        return (runq_ns / 1e9, int(float(fields["nr_involuntary_switches"])),
+                int(float(fields["se.nr_migrations"])))
+    except (OSError, ValueError, KeyError, IndexError):  # gone, or a kernel without them
+        return 0.0, 0, 0
+
+
+def cpu_seconds(root: int) -> dict[int, tuple[str, Sched]]:
+    """pid -> (name, its counters) of every process of the `serve run` tree."""
     out = {}
     try:
         procs = psutil.Process(root).children(recursive=True)
@@ -115,21 +142,25 @@ def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
         try:
             t = p.cpu_times()
             name = os.path.basename(" ".join(p.cmdline()[:1]))[:60] or p.name()
-            out[p.pid] = (name, t.user + t.system)
+            out[p.pid] = (name, Sched(t.user + t.system, *_main_thread(p.pid)))
         except psutil.Error:
             pass
     return out
 
 
-def cpu_spent(before: dict[int, tuple[str, float]],
-              after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds per process name between two snapshots (names joined over pids)."""
-    spent: dict[str, float] = {}
-    for pid, (name, t) in after.items():
-        d = t - before.get(pid, (name, 0.0))[1]
-        if d > 0.005:
-            spent[name] = round(spent.get(name, 0.0) + d, 3)
-    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+def cpu_spent(before: dict[int, tuple[str, Sched]],
+              after: dict[int, tuple[str, Sched]]) -> dict[str, dict[str, float]]:
+    """Per counter, its growth per process name between two snapshots (names joined over
+    pids; CPU below 5 ms left out)."""
+    spent: dict[str, dict[str, float]] = {f: {} for f in Sched._fields}
+    for pid, (name, now) in after.items():
+        then = before.get(pid, (name, Sched(0.0)))[1]
+        if now.cpu_s - then.cpu_s <= 0.005:
+            continue
+        for f in Sched._fields:
+            d = spent[f]
+            d[name] = round(d.get(name, 0) + getattr(now, f) - getattr(then, f), 3)
+    return {f: dict(sorted(d.items(), key=lambda kv: -kv[1])) for f, d in spent.items()}
 
 
 def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
@@ -245,6 +276,41 @@ def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median_over_rounds_of_ple_minus_plain": summary, "rounds": per_round}
 
 
+def median_interval(xs: list[float], resamples: int = 4000) -> list[float] | None:
+    """A 95% bootstrap interval of the median of `xs` (rounds resampled with replacement; a
+    fixed seed, so the same rounds give the same interval): how far the median could move
+    with other rounds of the same spread."""
+    if len(xs) < 5:
+        return None
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    return [round(meds[int(0.025 * resamples)], 4), round(meds[int(0.975 * resamples)], 4)]
+
+
+def sched_summary(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[str, Any]:
+    """Per side, the median over rounds of the engine processes' scheduler figures."""
+    names = ("VLLM::Worker", "VLLM::EngineCore", "ray::OffloadActor")
+    return {side: {f"{name} {f}": statistics.median(r[side].get(f, {}).get(name, 0)
+                                                   for r in rows)
+                   for name in names for f in Sched._fields}
+            for side in sides}
+
+
+def summarize(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[str, Any]:
+    """Per metric, each side's median over rounds and the median of the rounds' ratios
+    (with its bootstrap interval); the engine processes' scheduler figures."""
+    summary: dict[str, Any] = {}
+    for m in METRICS if rows else ():
+        summary[m] = {f"{s}_median": statistics.median(r[s][m] for r in rows) for s in sides}
+        if len(sides) == 2:
+            ratios = [r["ratio"][m] for r in rows]
+            summary[m]["median_ratio"] = statistics.median(ratios)
+            summary[m]["median_ratio_95ci"] = median_interval(ratios)
+    if rows and "runq_wait_s" in rows[0][sides[0]]:
+        summary["sched_median_over_rounds"] = sched_summary(rows, sides)
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -261,7 +327,15 @@ def main() -> None:
                     help="stamp the served pair's hand-off (handoff.json; slows it slightly)")
     ap.add_argument("--step-clock", action="store_true",
                     help="time vLLM's worker and engine-core calls on both sides (steps.json)")
+    ap.add_argument("--summarize", action="store_true",
+                    help="serve nothing: rewrite OUT/summary.json from OUT/rounds.jsonl")
     a = ap.parse_args()
+    if a.summarize:
+        rows = [json.loads(line) for line in (a.out / "rounds.jsonl").read_text().splitlines()]
+        summary = summarize(rows, tuple(s for s in SIDES if s in rows[0]))
+        (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(ENV)
     sys.path.insert(0, str(REPO))
@@ -316,7 +390,7 @@ def main() -> None:
                                         f"round{r}-{side}.json"))
                 got[side] = {m: res[m] for m in METRICS}
                 got[side]["window_ns"] = [t0, time.monotonic_ns()]
-                got[side]["cpu_s"] = cpu_spent(before, cpu_seconds(proc.pid))
+                got[side].update(cpu_spent(before, cpu_seconds(proc.pid)))
                 got[side]["load1"] = os.getloadavg()[0]
             row = {"round": r, "order": list(order), **got}
             if len(sides) == 2:
@@ -335,11 +409,7 @@ def main() -> None:
     with open(a.out / "rounds.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    summary: dict[str, dict[str, float]] = {}
-    for m in METRICS if rows else ():
-        summary[m] = {f"{s}_median": statistics.median(r[s][m] for r in rows) for s in sides}
-        if len(sides) == 2:
-            summary[m]["median_ratio"] = statistics.median(r["ratio"][m] for r in rows)
+    summary = summarize(rows, sides)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if a.timing:
         table = served_handoff(timing_dir)
