@@ -10,7 +10,9 @@ BA, ...), so that what else runs on this shared machine falls on both sides alik
 is offload/plain of one round; the summary is the median over rounds. Per side and round, the
 CPU seconds of every process of the cluster are recorded too (where the time went), and each
 process's main thread's run-queue wait, involuntary switches and core migrations (whether it
-ran when it could: `Sched`).
+ran when it could: `Sched`). Before each side a pause (`--quiet-s`) lets the other engine's
+vLLM readers stop their 1 s spin, so that neither side shares its worker's core with the
+other engine's worker.
 
 Both applications stay up throughout, so the idle one's background work (the `ple` side's
 supervisor and offload actor, a few % of a core) falls on both sides; bench/cpu/README.md
@@ -111,28 +113,48 @@ class Sched(NamedTuple):
     """One process's counters: CPU seconds (all threads), and its main thread's scheduler
     figures, which say whether it ran when it could (`/proc/<pid>/task/<pid>/schedstat`: the
     time it sat runnable on a run queue; `sched`: switches it did not ask for, and moves to
-    another core)."""
+    another core). None where the kernel does not give one."""
 
     cpu_s: float
-    runq_wait_s: float = 0.0
-    involuntary: int = 0
-    migrations: int = 0
+    runq_wait_s: float | None = None
+    involuntary: int | None = None
+    migrations: int | None = None
 
 
-def _main_thread(pid: int) -> tuple[float, int, int]:
-    try:
-        runq_ns = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1])
+def _main_thread(pid: int) -> tuple[float | None, int | None, int | None]:
+    runq = invol = migr = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        runq = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+    with contextlib.suppress(OSError, ValueError, KeyError):
         fields = {k.strip(): v for k, v in (
             line.split(":", 1) for line in
             Path(f"/proc/{pid}/task/{pid}/sched").read_text().splitlines()[2:] if ":" in line)}
-        return (runq_ns / 1e9, int(float(fields["nr_involuntary_switches"])),
-                int(float(fields["se.nr_migrations"])))
-    except (OSError, ValueError, KeyError, IndexError):  # gone, or a kernel without them
-        return 0.0, 0, 0
+        invol = int(float(fields["nr_involuntary_switches"]))
+        migr = int(float(fields["se.nr_migrations"]))
+    return runq, invol, migr
+
+
+_APPS: dict[int, str] = {}  # pid -> the Serve application whose replica started it, or ""
+
+
+def _app_of(p: psutil.Process) -> str:
+    """The application of a replica's descendant (the two engines' vLLM processes have the
+    same names), "" for the rest."""
+    if p.pid not in _APPS:
+        app = ""
+        for q in p.parents():
+            with contextlib.suppress(psutil.Error):
+                head = " ".join(q.cmdline()[:1])  # ray::ServeReplica:<app>:<deployment>...
+                if head.startswith("ray::ServeReplica:"):
+                    app = head.split(":")[3]
+                    break
+        _APPS[p.pid] = app
+    return _APPS[p.pid]
 
 
 def cpu_seconds(root: int) -> dict[int, tuple[str, Sched]]:
-    """pid -> (name, its counters) of every process of the `serve run` tree."""
+    """pid -> (name, its counters) of every process of the `serve run` tree; a replica's
+    descendants are named `<app>/<name>`."""
     out = {}
     try:
         procs = psutil.Process(root).children(recursive=True)
@@ -142,6 +164,8 @@ def cpu_seconds(root: int) -> dict[int, tuple[str, Sched]]:
         try:
             t = p.cpu_times()
             name = os.path.basename(" ".join(p.cmdline()[:1]))[:60] or p.name()
+            if (app := _app_of(p)) and not name.startswith("ray::ServeReplica:"):
+                name = f"{app}/{name}"
             out[p.pid] = (name, Sched(t.user + t.system, *_main_thread(p.pid)))
         except psutil.Error:
             pass
@@ -151,13 +175,15 @@ def cpu_seconds(root: int) -> dict[int, tuple[str, Sched]]:
 def cpu_spent(before: dict[int, tuple[str, Sched]],
               after: dict[int, tuple[str, Sched]]) -> dict[str, dict[str, float]]:
     """Per counter, its growth per process name between two snapshots (names joined over
-    pids; CPU below 5 ms left out)."""
+    pids). CPU below 5 ms is left out; a scheduler figure, where either snapshot lacks it."""
     spent: dict[str, dict[str, float]] = {f: {} for f in Sched._fields}
     for pid, (name, now) in after.items():
-        then = before.get(pid, (name, Sched(0.0)))[1]
+        then = before.get(pid, (name, Sched(0.0, 0.0, 0, 0)))[1]
         if now.cpu_s - then.cpu_s <= 0.005:
             continue
         for f in Sched._fields:
+            if getattr(now, f) is None or getattr(then, f) is None:
+                continue
             d = spent[f]
             d[name] = round(d.get(name, 0) + getattr(now, f) - getattr(then, f), 3)
     return {f: dict(sorted(d.items(), key=lambda kv: -kv[1])) for f, d in spent.items()}
@@ -276,37 +302,53 @@ def served_steps(clock_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median_over_rounds_of_ple_minus_plain": summary, "rounds": per_round}
 
 
-def median_interval(xs: list[float], resamples: int = 4000) -> list[float] | None:
-    """A 95% bootstrap interval of the median of `xs` (rounds resampled with replacement; a
-    fixed seed, so the same rounds give the same interval): how far the median could move
-    with other rounds of the same spread."""
-    if len(xs) < 5:
+def median_interval(rows: list[dict[str, Any]], metric: str,
+                    resamples: int = 4000) -> list[float] | None:
+    """A bootstrap interval (2.5th to 97.5th percentile) of the median over rounds of a
+    ratio: rounds resampled with replacement within each order (AB and BA keep their counts),
+    seed 0, so the same rounds give the same interval. How far the median could move with
+    other rounds of the same spread; coarse at 15-21 rounds."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["order"][0], []).append(r["ratio"][metric])
+    if len(rows) < 5:
         return None
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    meds = sorted(statistics.median([x for g in groups.values()
+                                     for x in rng.choices(g, k=len(g))])
+                  for _ in range(resamples))
     return [round(meds[int(0.025 * resamples)], 4), round(meds[int(0.975 * resamples)], 4)]
 
 
 def sched_summary(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[str, Any]:
-    """Per side, the median over rounds of the engine processes' scheduler figures."""
-    names = ("VLLM::Worker", "VLLM::EngineCore", "ray::OffloadActor")
-    return {side: {f"{name} {f}": statistics.median(r[side].get(f, {}).get(name, 0)
-                                                   for r in rows)
-                   for name in names for f in Sched._fields}
-            for side in sides}
+    """Per measured side and its place in the round (first or second), the median over
+    rounds of both engines' processes' figures, and the offload actor's: whether the
+    measured worker ran when it could, and what the other, idle engine did meanwhile."""
+    names = [f"{app}/{n}" for app in sides for n in ("VLLM::Worker", "VLLM::EngineCore")]
+    names.append("ray::OffloadActor")
+    out: dict[str, Any] = {}
+    for side in sides:
+        for place, pos in (("first", 0), ("second", 1)):
+            these = [r[side] for r in rows if r["order"][pos] == side]
+            if these:
+                out[f"{side} measured {place} ({len(these)} rounds)"] = {
+                    f"{name} {f}": statistics.median(got.get(f, {}).get(name, 0)
+                                                     for got in these)
+                    for name in names for f in Sched._fields}
+    return out
 
 
 def summarize(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[str, Any]:
     """Per metric, each side's median over rounds and the median of the rounds' ratios
-    (with its bootstrap interval); the engine processes' scheduler figures."""
+    (with its bootstrap interval); the engine processes' scheduler figures (runs from
+    serve-run14 on: earlier runs joined both engines' processes by name)."""
     summary: dict[str, Any] = {}
     for m in METRICS if rows else ():
         summary[m] = {f"{s}_median": statistics.median(r[s][m] for r in rows) for s in sides}
         if len(sides) == 2:
-            ratios = [r["ratio"][m] for r in rows]
-            summary[m]["median_ratio"] = statistics.median(ratios)
-            summary[m]["median_ratio_95ci"] = median_interval(ratios)
-    if rows and "runq_wait_s" in rows[0][sides[0]]:
+            summary[m]["median_ratio"] = statistics.median(r["ratio"][m] for r in rows)
+            summary[m]["median_ratio_95ci"] = median_interval(rows, m)
+    if rows and any("/VLLM::Worker" in k for k in rows[0][sides[0]].get("cpu_s", {})):
         summary["sched_median_over_rounds"] = sched_summary(rows, sides)
     return summary
 
@@ -327,6 +369,12 @@ def main() -> None:
                     help="stamp the served pair's hand-off (handoff.json; slows it slightly)")
     ap.add_argument("--step-clock", action="store_true",
                     help="time vLLM's worker and engine-core calls on both sides (steps.json)")
+    ap.add_argument("--quiet-s", type=float, default=2.0,
+                    help="pause before each side: vLLM's shared-memory readers (the worker's "
+                    "and the engine core's) spin for 1 s after their last message, and both "
+                    "engines' workers are bound to the same core, so without the pause the "
+                    "side measured second shares that core with the other's spinning worker "
+                    "(serve-run12/13). 0 measures as serve-run11 to 13 did")
     ap.add_argument("--summarize", action="store_true",
                     help="serve nothing: rewrite OUT/summary.json from OUT/rounds.jsonl")
     a = ap.parse_args()
@@ -384,6 +432,7 @@ def main() -> None:
             order = sides if r % 2 == 0 else sides[::-1]
             got = {}
             for side in order:
+                time.sleep(a.quiet_s)  # the other engine's readers stop spinning (see --quiet-s)
                 before = cpu_seconds(proc.pid)
                 t0 = time.monotonic_ns()  # the step clock's clock (CLOCK_MONOTONIC)
                 res = bench(client_args(side, model, tokenizer, a, a.out / "client",

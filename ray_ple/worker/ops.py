@@ -23,6 +23,11 @@ only input is the buffer `pull_async` wrote, so a compiler may hoist a join to t
 the graph, where it waits for rows that are still being gathered; the data dependence on
 `after` keeps the wait where the model put it.
 
+Eager on a CPU device (`eager_on_cpu`), `pull_rows` and `join_part` call the same Python
+kernels directly: the op is what a tracer must see, and the dispatcher's round trip to the
+kernel is pure cost on a millisecond CPU forward. On CUDA, and whenever Dynamo traces, the
+ops are called.
+
 Piecewise CUDA graphs (vLLM's mode for mixed prefill batches) capture the forward in
 pieces, and a fork in one piece cannot be joined in another: in such a forward (asked of the
 probe the model class installs, `set_piecewise_probe`) `pull_async` starts nothing and
@@ -85,12 +90,12 @@ torch.library.register_fake("ray_ple::pull_wait", _pull_wait_fake, lib=_LIB)
 
 
 def eager_on_cpu(t: torch.Tensor) -> bool:
-    """A CPU forward that no tracer sees: there the ops' Python kernels are called directly.
+    """Is this a CPU forward that no tracer sees (so a kernel may be called directly)?
 
     The op exists for tracers (an opaque, ordered mutation of `out`); called eagerly, the
-    dispatcher's round trip to the same Python kernel is pure cost, a microsecond or more per
-    call on a millisecond CPU forward. On CUDA the op is always called: a served GPU forward
-    replays a graph, and the tested path stays the one path."""
+    dispatcher's round trip to the same Python kernel costs ~1 us a call (warm) on a
+    millisecond CPU forward. On CUDA the op is always called: a served GPU forward replays a
+    graph, and the path tested on the GPU stays the one path."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 

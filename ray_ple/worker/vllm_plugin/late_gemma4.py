@@ -11,6 +11,7 @@ and moves the rest of the combine of layer l to layer l's gate:
               if l is the first layer of its part p:        # the wait for p's rows
                   c_p = (norm(projection[:, p]) + rows_p * es) * s   # vLLM's steps 4-5, p's layers
                   settle(c_p)                               # stored in bf16, as vLLM's is
+                                                            # (a marker: eager CPU skips it)
               PLE gate with c_p[:, l], layer scalar (vLLM's code)
 
 Each part is one slot of the pair (`ple.parts`, `PleGeometry.slots`: consecutive layers, one
@@ -18,7 +19,8 @@ flag each, raised by the offload side as soon as its rows are written). Every pa
 started right after the projection (`ray_ple::pull_async`: on CUDA the side stream waits for
 the flag and copies while the layers run; on CPU nothing yet) and joined at the gate of its
 first layer (`ray_ple::pull_wait(out, after, slot)`: the model stream waits for the copy; on
-CPU the engine thread waits for the flag and copies). `after` is that gate's matmul output,
+CPU the engine thread waits for the flag and copies, eagerly through the op's kernel itself,
+`ray_ple.worker.ops.eager_on_cpu`). `after` is that gate's matmul output,
 so that no compiler can hoist the join above the layers it is meant to overlap. Under
 piecewise CUDA graphs a fork cannot be joined in another piece, so there the join itself
 waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
@@ -216,7 +218,7 @@ class LateGemma4Model(Gemma4Model):
         ple = rows.unflatten(1, (len(layers), self.hidden_size_per_layer_input))
         ple = ple * dec.embed_scale_per_layer
         combined = (normed + ple) * dec.per_layer_input_scale
-        if torch.compiler.is_compiling():  # eager, every result is a stored buffer already
+        if not ops.eager_on_cpu(combined):  # eager, every result is a stored buffer already
             torch.ops.ray_ple.settle(combined)
         return combined
 
