@@ -26,6 +26,11 @@ Variants (where the rows come from, and when the model waits for them):
             and enqueues `ple_post`, which writes the step's ids from the GPU's own ids
             tensor and advances `posted`; then the launch; the host never reads the ids)
 
+With `--extra head` (splits, async scheduling), also `H_sp_as` and `U_sp_as`: L_sp_as with
+layer 0's rows from the worker's own copy of layer 0's columns (H: device memory; U:
+registered host memory read by UVA loads), part 0 still pulled and joined after the last
+layer: what a head kept by the worker would buy at small T.
+
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
 host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
 s-1 to have finished, one step of look-ahead, as vLLM waits for the sampled tokens of the
@@ -157,6 +162,39 @@ class Inline(Late):
         return buf[p][:, k * D:(k + 1) * D]
 
 
+class HeadLate(Late):
+    """H / U (`--extra head`): L with layer 0's rows from the worker's own copy of layer 0's
+    columns (H: in device memory, 1/42 of the table; U: registered host memory, read by UVA
+    loads), so no arrival is on layer 0's gate. Part 0 is still pulled (the one transaction
+    covers every part) and joined after the last layer, off the critical path; its rows are
+    checked against the head's."""
+
+    def __init__(self, late: rig.LateStandIn, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(late)
+        if late.widths[0] * 2 != D:
+            raise ValueError("the head variants need part 0 to be layer 0 alone (1+...)")
+        self.head = head
+
+    def start(self, ids: torch.Tensor) -> Any:
+        return self.m.pull(ids), self.head(ids)
+
+    def layer(self, buf: Any, layer: int) -> torch.Tensor:
+        parts, head = buf
+        if layer == 0:
+            return head
+        p, k = self.at[layer]
+        if k == 0:
+            self.m.wait(parts, p)
+        if layer == LAYERS - 1:
+            self.m.wait(parts, 0)
+        return parts[p][:, k * D:(k + 1) * D]
+
+    def check(self, buf: Any, ids: torch.Tensor) -> torch.Tensor:
+        parts, head = buf
+        return self.m.check(parts, ids) + (head.view(torch.int32)
+                                           != parts[0].view(torch.int32)).sum()
+
+
 def parse_split(spec: str) -> tuple[int, ...]:
     """`7` -> seven parts of 6 layers; `1+2+4+8+27` -> those layers per part, in order."""
     if "+" in spec:
@@ -205,17 +243,18 @@ class Stack(torch.nn.Module):
 class UvaRows(torch.nn.Module):
     """B: rows read by SM loads straight from the registered host table."""
 
-    def __init__(self, table_dev: int, rows: int, device: int) -> None:
+    def __init__(self, table_dev: int, rows: int, device: int, elems: int = ROW_ELEMS) -> None:
         super().__init__()
         from uva_gather import UvaGather
 
         self.table_dev, self.rows, self.k = table_dev, rows, UvaGather(device)
+        self.elems = elems
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((ids.shape[0], ROW_ELEMS), dtype=torch.bfloat16, device=ids.device)
+        out = torch.empty((ids.shape[0], self.elems), dtype=torch.bfloat16, device=ids.device)
         ids32 = ids.to(torch.int32)
-        self.k.launch(self.table_dev, ids32.data_ptr(), out.data_ptr(), ids.shape[0], ROW_BYTES,
-                      self.rows, torch.cuda.current_stream().cuda_stream)
+        self.k.launch(self.table_dev, ids32.data_ptr(), out.data_ptr(), ids.shape[0],
+                      self.elems * 2, self.rows, torch.cuda.current_stream().cuda_stream)
         return out
 
 
@@ -391,8 +430,19 @@ class Bench:
             reg = register_host(int(keep.ctypes.data), page_align(size), keep,
                                 what="whole PLE table (variant B)")
             self.table_dev = reg.device_ptr + (size - self.rows * ROW_BYTES)
+            if "head" in a.extra:  # layer 0's columns in registered host memory (U)
+                hb = self.rows * D * 2
+                self.head_mm = mmap.mmap(-1, page_align(hb))
+                head = np.frombuffer(self.head_mm, dtype=np.uint8)
+                head[:hb].reshape(self.rows, D * 2)[:] = view[:, :D * 2]
+                hreg = register_host(int(head.ctypes.data), page_align(hb), head,
+                                     what="layer 0's columns (variant U)")
+                self.head_dev = hreg.device_ptr
+                self.head_reg = (reg, hreg)
         else:
             self.table_gpu = torch.from_numpy(np.ascontiguousarray(view)).view(torch.bfloat16)
+        if "head" in a.extra:  # layer 0's columns in device memory (H)
+            self.head_gpu = self.table_gpu[:, :D].contiguous()
         self.weights = Weights(Shape(a.tiny), self.device)
         self.info["setup_s"] = round(time.perf_counter() - t0, 2)
 
@@ -565,6 +615,15 @@ class Bench:
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
                     self.pairs[sp, t > 256], sp))
+            if "head" in a.extra:  # (on CPU, H alone and host-posted: a smoke test)
+                heads: dict[str, Any] = {"H": TableRows(self.head_gpu)}
+                if self.device.type == "cuda":
+                    heads = {"H_sp_as": heads["H"], "U_sp_as": UvaRows(
+                        self.head_dev, self.rows, self.device.index or 0, elems=D)}
+                for name, fetch in heads.items():
+                    src = HeadLate(self.late_source(main, indexed=True).m, fetch)
+                    runs.append((name, Stack(self.weights, src, self.rows),
+                                 self.pairs[main, t > 256], main))
             opts = self.late_specs()  # the class's structure under each --late-options
             if "ahead" in a.extra and self.device.type == "cuda":
                 runs += [(f"L_sp_as_{o}", main_stack, self.pairs[main, t > 256], main)
@@ -721,7 +780,9 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="comma list: inline (L_in, L_in_sp), ahead "
                     "(A_as, B_as, L_sp_as, L_in_sp_as: async "
                     "scheduling), pre (C_pre, L_pre: launched once "
-                    "the host sees every part published, so no GPU wait is on the path)")
+                    "the host sees every part published, so no GPU wait is on the path), "
+                    "head (H_sp_as, U_sp_as: layer 0's rows from the worker's own copy, on the "
+                    "device or registered host memory; needs --parts 1+...)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")
     ap.add_argument("--late-options", default="", help="NAME:field=int,...;... CudaOptions "
                     "for L, measured as L_NAME, interleaved over --cap-rounds (e.g. "
