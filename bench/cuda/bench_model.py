@@ -31,6 +31,10 @@ layer 0's rows from the worker's own copy of layer 0's columns (H: device memory
 registered host memory read by UVA loads), part 0 still pulled and joined after the last
 layer: what a head kept by the worker would buy at small T.
 
+With `--extra resident`, also `R_sp_as`: `ple.resident_layers: 1` as the product runs it
+(layer 0's columns in device memory, looked up before layer 0; the pair's geometry offloads
+layers 1-41 in parts of 1, 2, 4, 8, 26, so nothing is posted, gathered or copied for layer 0).
+
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
 host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
 s-1 to have finished, one step of look-ahead, as vLLM waits for the sampled tokens of the
@@ -73,6 +77,7 @@ import ray_ple.worker.ops  # noqa: F401 - registers pull, pull_async, pull_wait
 from ray_ple.protocol.shm import page_align
 
 LAYERS, D = 42, 256
+RESIDENT_SPLIT = (1, 1, 2, 4, 8, 26)  # `R`: layer 0 resident, then `auto`'s parts of 41
 ROW_ELEMS = LAYERS * D
 ROW_BYTES = ROW_ELEMS * 2
 EMBED_ROWS = 4096
@@ -193,6 +198,56 @@ class HeadLate(Late):
         parts, head = buf
         return self.m.check(parts, ids) + (head.view(torch.int32)
                                            != parts[0].view(torch.int32)).sum()
+
+
+class Resident(Late):
+    """R (`--extra resident`): `ple.resident_layers: 1` as the product runs it. Layer 0's
+    columns sit in device memory (1/42 of the table) and are looked up before layer 0; the
+    pair's geometry offloads layers 1-41 only (`resident_layers=1`), in parts of 1, 2, 4, 8,
+    26 layers, each joined at its first layer's gate. The head's rows share one flat buffer,
+    and one indexed check, with the parts' (the same check as `L`'s over a whole row)."""
+
+    def __init__(self, late: rig.LateStandIn, head: torch.Tensor) -> None:
+        super().__init__(late)
+        self.head, self.at = head, [(-1, 0), *self.at]  # layer 0: the head
+        self.head_words = head.shape[1] // 2
+        self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start(self, ids: torch.Tensor) -> Any:
+        t, m = ids.shape[0], self.m
+        parts = rig.PartBuffers()
+        parts.flat = torch.empty(t * (self.head_words + sum(m.widths)) * 2,
+                                 dtype=torch.bfloat16, device=ids.device)
+        head = parts.flat[:t * self.head_words * 2].view(t, self.head_words * 2)
+        torch.index_select(self.head, 0, ids, out=head)
+        at = head.numel()
+        for (name, _, _), w in zip(m.slots, m.widths, strict=True):
+            parts.append(parts.flat[at:at + t * w * 2].view(t, w * 2))
+            at += t * w * 2
+            torch.ops.ray_ple.pull_async(parts[-1], name)
+        return head, parts
+
+    def layer(self, buf: Any, layer: int) -> torch.Tensor:
+        head, parts = buf
+        p, k = self.at[layer]
+        if p < 0:
+            return head
+        if k == 0:
+            self.m.wait(parts, p)
+        return parts[p][:, k * D:(k + 1) * D]
+
+    def check(self, buf: Any, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[0]
+        if t not in self.maps:  # built on the eager warm-up forward; a capture only reads
+            tok, col = self.m.index_maps(t, ids.device)
+            hw = self.head_words
+            self.maps[t] = (
+                torch.cat([torch.arange(t, dtype=torch.int32).repeat_interleave(hw).to(
+                    ids.device), tok]),
+                torch.cat([torch.arange(hw, dtype=torch.int32).repeat(t).to(ids.device), col]))
+        tok, col = self.maps[t]
+        expect = (ids.to(torch.int32) * self.m.words).index_select(0, tok) + col
+        return (buf[1].flat.view(torch.int32) != expect).sum()
 
 
 def parse_split(spec: str) -> tuple[int, ...]:
@@ -393,7 +448,8 @@ class Bench:
         self.t_start = time.perf_counter()
         self.offloads: list[rig.OffloadProcess] = []
         self.pairs: dict[tuple[int, bool], Any] = {}
-        self.geos: dict[int, Any] = {}
+        self.geos: dict[tuple[int, ...], Any] = {}
+        self.resident_pairs: dict[bool, Any] = {}
 
     def setup(self) -> None:
         a, max_t = self.a, max(self.tokens())
@@ -415,6 +471,17 @@ class Bench:
                 first = not self.pairs
                 self.pairs[p, big] = (rig.attach(off.handle, geo, self.transport) if first
                                       else rig.attach_another(off.handle, geo, self.transport))
+        if "resident" in a.extra:  # `ple.resident_layers: 1`: layers 1-41 offloaded
+            geo = rig.geometry(self.rows, max_t, RESIDENT_SPLIT, row_elems=ROW_ELEMS)
+            geo = type(geo).model_validate({**geo.model_dump(), "resident_layers": 1,
+                                            "parts": RESIDENT_SPLIT[1:]})
+            self.geos[RESIDENT_SPLIT] = geo
+            for big, threads in widths.items():
+                off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
+                                         actor_name=f"bench-model-resident-{threads}",
+                                         gather_threads=threads)
+                self.offloads.append(off)
+                self.resident_pairs[big] = rig.attach_another(off.handle, geo, self.transport)
         self.info["offload_setup_s"] = round(time.perf_counter() - t0, 2)
         view = rig.table_view(ckpt)
         if self.device.type == "cuda":
@@ -441,7 +508,7 @@ class Bench:
                 self.head_reg = (reg, hreg)
         else:
             self.table_gpu = torch.from_numpy(np.ascontiguousarray(view)).view(torch.bfloat16)
-        if "head" in a.extra:  # layer 0's columns in device memory (H)
+        if "head" in a.extra or "resident" in a.extra:  # layer 0's columns on the device
             self.head_gpu = self.table_gpu[:, :D].contiguous()
         self.weights = Weights(Shape(a.tiny), self.device)
         self.info["setup_s"] = round(time.perf_counter() - t0, 2)
@@ -624,6 +691,12 @@ class Bench:
                     src = HeadLate(self.late_source(main, indexed=True).m, fetch)
                     runs.append((name, Stack(self.weights, src, self.rows),
                                  self.pairs[main, t > 256], main))
+            if "resident" in a.extra:  # (on CPU, host-posted: a smoke test)
+                src = Resident(rig.LateStandIn(self.rows, self.geos[RESIDENT_SPLIT], ROW_ELEMS,
+                                               indexed=True).to(self.device), self.head_gpu)
+                runs.append(("R_sp_as" if self.device.type == "cuda" else "R",
+                             Stack(self.weights, src, self.rows), self.resident_pairs[t > 256],
+                             RESIDENT_SPLIT))
             opts = self.late_specs()  # the class's structure under each --late-options
             if "ahead" in a.extra and self.device.type == "cuda":
                 runs += [(f"L_sp_as_{o}", main_stack, self.pairs[main, t > 256], main)
@@ -782,7 +855,8 @@ def main() -> None:
                     "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path), "
                     "head (H_sp_as, U_sp_as: layer 0's rows from the worker's own copy, on the "
-                    "device or registered host memory; needs --parts 1+...)")
+                    "device or registered host memory; needs --parts 1+...), resident "
+                    "(R_sp_as: ple.resident_layers 1, the pair offloading layers 1-41)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")
     ap.add_argument("--late-options", default="", help="NAME:field=int,...;... CudaOptions "
                     "for L, measured as L_NAME, interleaved over --cap-rounds (e.g. "
