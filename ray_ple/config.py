@@ -56,6 +56,14 @@ class PleConfig(Frozen):
         "up to 6 layers, above parts of 1, 2, 4, ... layers and the rest; 1: the whole row "
         "at once"
     )
+    resident_layers: Annotated[int, Field(ge=0, le=128)] | Literal["auto"] = Field(
+        "auto", description="first layers whose PLE columns the worker keeps in its own "
+        "(device) memory, looked up there as vLLM looks up its table and never posted, so no "
+        "gather, copy or wait is on layer 0's gate (E4B: 134 MB of the 5.6 GB table a "
+        "layer); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
+        "auto: 1 on the cuda transport (decode steps then never wait for the first part: "
+        "bench/cuda/README.md, late-run19), 0 on cpu and for Gemma 3n"
+    )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "
         "blocks on the doorbell (GPU decode latency; costs a core while it spins)"
@@ -89,6 +97,13 @@ class PleConfig(Frozen):
             return tuple(v)
         raise ValueError(f"ple.parts={v!r}: 'auto', a count of parts 1..128, or a list of 1..128 "
                          "layer counts (each >= 1), one per part in layer order")
+
+    @field_validator("resident_layers", mode="before")
+    @classmethod
+    def _resident_as_written(cls, v: Any) -> Any:
+        if v == "auto" or (type(v) is int and 0 <= v <= 128):
+            return v
+        raise ValueError(f"ple.resident_layers={v!r}: 'auto' or a count of layers 0..128")
 
     @model_validator(mode="after")
     def _consistent(self) -> PleConfig:

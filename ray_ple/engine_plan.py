@@ -93,7 +93,9 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     max_tokens = slot_tokens(ple, kw)
     kw.setdefault("max_num_batched_tokens", max_tokens)
     geometry = geometry_from_config(read_hf_config(checkpoint_dir), max_tokens=max_tokens,
-                                    engine_dtype=kw.get("dtype"), parts=ple.parts)
+                                    engine_dtype=kw.get("dtype"), parts=ple.parts,
+                                    resident_layers=ple.resident_layers,
+                                    transport=transport)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "

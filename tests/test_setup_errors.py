@@ -87,6 +87,53 @@ def test_parts_that_do_not_fit_the_model_are_one_clear_error(tmp_path, arch, lay
         geometry_from_config(_gemma(tmp_path, arch, layers), max_tokens=8, parts=ple.parts)
 
 
+@pytest.mark.parametrize(("resident", "parts", "split", "first"), [
+    (1, "auto", (1, 2, 4, 8, 26), 1), (2, [40], (), 2), (1, 2, (20, 21), 1), (41, "auto", (), 41),
+])
+def test_resident_layers_are_left_out_of_the_slots(tmp_path, resident, parts, split, first):
+    ple = PleConfig.model_validate({"parts": parts, "resident_layers": resident})
+    geo = geometry_from_config(_gemma(tmp_path, "Gemma4ForCausalLM", 42), max_tokens=8,
+                               parts=ple.parts, resident_layers=ple.resident_layers)
+    assert geo.parts == split and geo.resident_layers == resident
+    slots = geo.slots()
+    assert slots[0].first_layer == first and slots[0].col_offset == first * 8 * 2
+    assert sum(s.num_layers for s in slots) == 42 - resident
+
+
+@pytest.mark.parametrize(("arch", "layers", "transport", "resident"), [
+    ("Gemma4ForCausalLM", 42, "cuda", 1), ("Gemma4ForCausalLM", 42, "cpu", 0),
+    ("Gemma4ForCausalLM", 1, "cuda", 0), ("Gemma3nForCausalLM", 35, "cuda", 0),
+])
+def test_auto_keeps_layer_0_resident_on_the_cuda_transport_only(tmp_path, arch, layers,
+                                                                 transport, resident):
+    ple = PleConfig()
+    assert ple.resident_layers == "auto"
+    geo = geometry_from_config(_gemma(tmp_path, arch, layers), max_tokens=8, parts=ple.parts,
+                               resident_layers=ple.resident_layers, transport=transport)
+    assert geo.resident_layers == resident
+    assert geo.slots()[0].first_layer == resident
+
+
+@pytest.mark.parametrize("resident", [-1, 129, "1", True, 1.0, "all"])
+def test_malformed_resident_layers_are_rejected_by_the_config_in_one_message(resident):
+    with pytest.raises(ValidationError, match="ple.resident_layers=") as exc:
+        PleConfig.model_validate({"resident_layers": resident})
+    assert exc.value.error_count() == 1
+
+
+@pytest.mark.parametrize(("arch", "resident", "parts", "match"), [
+    ("Gemma4ForCausalLM", 42, "auto", r"ple.resident_layers=42: .* so 0..41"),
+    ("Gemma4ForCausalLM", 2, [42], r"ple.parts=\[42\]: .* offloads 40 layers, .* add up to 40"),
+    ("Gemma3nForCausalLM", 1, "auto", r"ple.resident_layers=1: .* pulls the whole row .* so 0"),
+])
+def test_resident_layers_that_do_not_fit_are_one_clear_error(tmp_path, arch, resident, parts,
+                                                            match):
+    ple = PleConfig.model_validate({"parts": parts, "resident_layers": resident})
+    with pytest.raises(PleConfigError, match=match):
+        geometry_from_config(_gemma(tmp_path, arch, 42), max_tokens=8, parts=ple.parts,
+                             resident_layers=ple.resident_layers)
+
+
 @pytest.mark.parametrize("parts", [[], [0, 2], [2, -1], 0, 129, "half", "3", True, [True, 41],
                                    [2.0, 2]])
 def test_malformed_parts_are_rejected_by_the_config_in_one_message(parts):

@@ -108,10 +108,21 @@ def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocab
     job = {"model": model, "batches": BATCHES, "engine": {"enforce_eager": False}}
     offload = run_job(cluster, {**job, "ple": {"parts": [1, 2]}})  # layers per part
     plain = run_job(cluster, {**job, "ple": {"enabled": False}})
+    # layer 0's columns kept by the worker (looked up in the graph, ids mapped as vLLM
+    # maps them), layers 1 and 2 offloaded in a part each
+    resident = run_job(cluster, {**job, "ple": {"resident_layers": 1, "parts": [1, 1]}})
     assert offload["tokens"] == plain["tokens"]
+    assert resident["tokens"] == plain["tokens"]
     (status,) = offload["status"]
     assert len(status["published"]) == 2, "two slots: layer 0, then layers 1 and 2"
     assert status["posted"] == status["released"] == min(status["published"]) > 0
+    (status,) = resident["status"]
+    assert len(status["published"]) == 2, "two slots: layer 1, then layer 2"
+    assert status["posted"] == status["released"] == min(status["published"]) > 0
+    spec = PRESETS["tiny-gemma4-ple192"]
+    (inv,) = resident["inventory"]
+    ple = [(n, shape) for n, shape in inv if "embed_tokens_per_layer" in n or "resident" in n]
+    assert ple == [("model.resident_table", [192, spec.hidden_size_per_layer_input])], ple
     assert any(t >= 192 for p in PROMPTS for t in p), "ids beyond the PLE vocabulary are fed"
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
                                     flat(offload["tokens"]), ulps=8)

@@ -118,7 +118,7 @@ Parts = int | Literal["auto"] | tuple[int, ...]
 
 
 def split_layers(num_layers: int, parts: Parts) -> tuple[int, ...]:
-    """Layers per part, in order.
+    """Layers per part, in order, of the `num_layers` offloaded layers of a row.
 
     An int n: n parts, as even as can be (earlier parts never larger). A tuple: those
     layers per part, covering the row. "auto": one part up to 6 layers; above, parts that
@@ -130,15 +130,16 @@ def split_layers(num_layers: int, parts: Parts) -> tuple[int, ...]:
     """
     if isinstance(parts, tuple):
         if not parts or min(parts) < 1 or sum(parts) != num_layers:
-            raise PleConfigError(f"ple.parts={list(parts)}: the table's row holds {num_layers} "
-                                 f"layers, so parts of >= 1 layer that add up to {num_layers}")
+            raise PleConfigError(f"ple.parts={list(parts)}: the table's row offloads "
+                                 f"{num_layers} layers, so parts of >= 1 layer that add up to "
+                                 f"{num_layers}")
         return parts
     if parts == "auto":
         return _doubling(num_layers) if num_layers > 6 else (num_layers,)
     n = int(parts)
     if not 1 <= n <= num_layers:
-        raise PleConfigError(f"ple.parts={parts}: the table's row holds {num_layers} layers, "
-                             f"so 1..{num_layers} parts")
+        raise PleConfigError(f"ple.parts={parts}: the table's row offloads {num_layers} "
+                             f"layers, so 1..{num_layers} parts")
     base, extra = divmod(num_layers, n)
     return tuple(base + (1 if i >= n - extra else 0) for i in range(n))
 
@@ -156,9 +157,11 @@ def _doubling(num_layers: int) -> tuple[int, ...]:
 class PleGeometry(BaseModel):
     """Everything both sides must agree on before the first transaction.
 
-    `row_layers` is how many model layers a table row holds (L; each `row_elems / L` wide)
-    and `parts` how many consecutive layers each slot holds; `()` is one slot per table,
-    the whole row (layout version 1's behaviour).
+    `row_layers` is how many model layers a table row holds (L; each `row_elems / L` wide),
+    `resident_layers` how many of the first ones the worker keeps itself (their columns in
+    its own memory, never posted: no gather, copy or wait is ever on layer 0's gate), and
+    `parts` how many consecutive layers each slot holds, after those; `()` is one slot per
+    table, the rest of the row (without resident layers, layout version 1's behaviour).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -166,12 +169,17 @@ class PleGeometry(BaseModel):
     max_tokens: int = Field(gt=0)
     layers: tuple[LayerGeometry, ...] = Field(min_length=1)
     row_layers: int = Field(1, gt=0)
+    resident_layers: int = Field(0, ge=0)
     parts: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _parts_cover_the_row(self) -> PleGeometry:
-        if self.parts and (sum(self.parts) != self.row_layers or min(self.parts) < 1):
-            raise ValueError(f"parts {self.parts} do not split {self.row_layers} layers")
+        offloaded = self.row_layers - self.resident_layers
+        if offloaded < 1:
+            raise ValueError(f"{self.resident_layers} resident layers leave none of "
+                             f"{self.row_layers} to offload")
+        if self.parts and (sum(self.parts) != offloaded or min(self.parts) < 1):
+            raise ValueError(f"parts {self.parts} do not split {offloaded} layers")
         for g in self.layers:
             if g.row_elems % self.row_layers:
                 raise ValueError(f"{g.layer_name}: {g.row_elems} values per row are not "
@@ -185,7 +193,7 @@ class PleGeometry(BaseModel):
 
     @property
     def part_layers(self) -> tuple[int, ...]:
-        return self.parts or (self.row_layers,)
+        return self.parts or (self.row_layers - self.resident_layers,)
 
     def slots(self) -> tuple[SlotGeometry, ...]:
         """Every slot of a pair, in publish order: per table, its parts in layer order."""
@@ -193,7 +201,7 @@ class PleGeometry(BaseModel):
         n = len(self.part_layers)
         for t, g in enumerate(self.layers):
             d = g.row_elems // self.row_layers
-            first = 0
+            first = self.resident_layers
             for p, k in enumerate(self.part_layers):
                 out.append(SlotGeometry(
                     name=slot_name(g.layer_name, p, n), table=g.layer_name, table_index=t,
@@ -235,12 +243,14 @@ def _engine_dtype(hf: dict[str, Any], engine_dtype: str | None) -> DType:
 
 def geometry_from_config(
     hf: dict[str, Any], *, max_tokens: int, engine_dtype: str | None = None,
-    parts: Parts = 1,
+    parts: Parts = 1, resident_layers: int | Literal["auto"] = 0, transport: str = "cpu",
 ) -> PleGeometry:
     """The offload geometry of a checkpoint, or one clear error if it has no PLE table.
 
-    `parts` (`ple.parts`) splits each row into slots of consecutive layers; architectures
-    whose offload class pulls the whole row before layer 0 take one part ("auto": one).
+    `resident_layers` (`ple.resident_layers`) first layers stay with the worker ("auto": one
+    on the cuda `transport`, none on cpu); `parts` (`ple.parts`) splits the rest of each row
+    into slots of consecutive layers. Architectures whose offload class pulls the whole row
+    before layer 0 take one part and no resident layers ("auto": one, and none).
     """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
@@ -263,16 +273,26 @@ def geometry_from_config(
         row_elems=num_layers * ple_dim,
         dtype=_engine_dtype(hf, engine_dtype),
     )
+    if resident_layers == "auto":
+        late = ARCHITECTURES[arch].late_waits and num_layers > 1
+        resident_layers = 1 if transport == "cuda" and late else 0
+    if not 0 <= resident_layers < num_layers:
+        raise PleConfigError(f"ple.resident_layers={resident_layers}: {arch} has {num_layers} "
+                             f"layers, so 0..{num_layers - 1} (at least one is offloaded)")
     if not ARCHITECTURES[arch].late_waits:
+        if resident_layers:
+            raise PleConfigError(f"ple.resident_layers={resident_layers}: {arch}'s offload "
+                                 "class pulls the whole row before its first layer, so 0")
         # the configured split must fit the row whatever the class; this one takes one part
         if len(split_layers(num_layers, 1 if parts == "auto" else parts)) != 1:
             shown = list(parts) if isinstance(parts, tuple) else parts
             raise PleConfigError(f"ple.parts={shown}: {arch}'s offload class pulls the whole "
                                  "row before its first layer, so one part (1 or auto)")
         parts = 1
-    split = split_layers(num_layers, parts)
+    split = split_layers(num_layers - resident_layers, parts)
     return PleGeometry(architecture=arch, max_tokens=max_tokens, layers=(layer,),
-                       row_layers=num_layers, parts=split if len(split) > 1 else ())
+                       row_layers=num_layers, resident_layers=resident_layers,
+                       parts=split if len(split) > 1 else ())
 
 
 def safetensors_dtype(code: str) -> DType:

@@ -226,7 +226,9 @@ def _model_demand(llm: Any, ple: PleConfig, app_env: dict[str, str],
         transport = "cpu" if llm.accelerator_config.kind == "cpu" else "cuda"
         geometry = geometry_from_config(checkpoint_config(source, mlc.model_id, declared),
                                         max_tokens=slot_tokens(ple, kw),
-                                        engine_dtype=kw.get("dtype"), parts=ple.parts)
+                                        engine_dtype=kw.get("dtype"), parts=ple.parts,
+                                        resident_layers=ple.resident_layers,
+                                        transport=transport)
         dtype = geometry.layers[0].dtype
         table = sum(mmap.PAGESIZE + g.table_bytes for g in geometry.layers)
         pair = PairLayout.compute(geometry.max_tokens,

@@ -21,7 +21,7 @@ from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker.vllm_plugin.attach import attach_worker
 from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
 
-_SKIP = "embed_tokens_per_layer."
+PLE_WEIGHT = "embed_tokens_per_layer."  # in the name of the checkpoint's table
 
 
 
@@ -41,4 +41,4 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
         attach_worker(vllm_config, settings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((n, w) for n, w in weights if _SKIP not in n)
+        return super().load_weights((n, w) for n, w in weights if PLE_WEIGHT not in n)

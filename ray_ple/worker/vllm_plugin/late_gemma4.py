@@ -26,6 +26,14 @@ piecewise CUDA graphs a fork cannot be joined in another piece, so there the joi
 waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
 whole row is joined at layer 0's gate.
 
+Resident layers (`ple.resident_layers`, `PleGeometry.resident_layers`; auto: 1 on CUDA): the
+first layers' columns of the checkpoint's table are kept by this model (`resident_table`,
+taken from the table tensor at load, the rest of it dropped) and looked up with the step's
+ids, mapped as vLLM maps them, before layer 0; the pair's slots start after them. That
+puts no gather, copy or wait on layer 0's gate, the one gate the gather of the first part
+cannot hide before at small steps (bench/cuda/README.md, late-run19). The resident part is
+combined like any other.
+
 Arithmetic: norm and combine are per row of d and elementwise, so computing them on a
 part's slice of layers gives each element the same operations in the same order on the same
 dtypes (the model's own norm, `embed_scale_per_layer` and bf16-rounded
@@ -44,7 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
 
@@ -62,7 +70,9 @@ from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
-from ray_ple.worker.vllm_plugin.gemma4 import RayPleGemma4ForCausalLM
+from ray_ple.worker.vllm_plugin.gemma4 import PLE_WEIGHT, RayPleGemma4ForCausalLM
+
+Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor), as vLLM loads them
 
 # sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_late_layer_forward` and
 # `LateGemma4Model.forward` mirror; any other source is refused rather than guessed at
@@ -151,33 +161,66 @@ class LateGemma4Model(Gemma4Model):
 
     late_parts: tuple[range, ...] = ()
     late_part_of: tuple[int, ...] = ()  # layer -> its part (trace-time constants)
-    late_slot_names: tuple[str, ...] = ()  # plain values: traced as constants
-    late_slot_elems: tuple[int, ...] = ()
+    late_slot_names: tuple[str | None, ...] = ()  # plain values: traced as constants;
+    late_slot_elems: tuple[int, ...] = ()  # None: the resident part, looked up here
 
-    def set_parts(self, slots: tuple[SlotGeometry, ...]) -> None:
-        """The table's slots, in order, covering every layer once (the engine's geometry)."""
-        parts = tuple(range(s.first_layer, s.first_layer + s.num_layers) for s in slots)
+    def set_parts(self, slots: tuple[SlotGeometry, ...], resident_layers: int = 0) -> None:
+        """The table's slots, in order, covering every layer from `resident_layers` on once
+        (the engine's geometry); the first `resident_layers` are one part of this model's
+        own, its columns of the table held in `resident_table` (filled by `load_resident`)."""
+        d = self.hidden_size_per_layer_input
+        parts = ((range(resident_layers),) if resident_layers else ()) + tuple(
+            range(s.first_layer, s.first_layer + s.num_layers) for s in slots)
         if [i for r in parts for i in r] != list(range(self.config.num_hidden_layers)):
             raise PleConfigError(f"PLE parts {parts} do not cover the "
                                  f"{self.config.num_hidden_layers} layers in order")
-        d = self.hidden_size_per_layer_input
         if any(s.row_elems != s.num_layers * d for s in slots):
             raise PleConfigError(f"PLE slots are not {d} values per layer")
+        head = (None,) if resident_layers else ()
         self.late_parts = parts
-        self.late_slot_names = tuple(s.name for s in slots)
-        self.late_slot_elems = tuple(s.row_elems for s in slots)
+        self.late_slot_names = head + tuple(s.name for s in slots)
+        self.late_slot_elems = (resident_layers * d,) * len(head) + tuple(
+            s.row_elems for s in slots)
         self.late_part_of = tuple(p for p, r in enumerate(parts) for _ in r)
+        # on the model's device (vLLM builds the model under it); None without resident layers
+        self.register_buffer("resident_table", torch.empty(
+            (self.vocab_size_per_layer_input, resident_layers * d),
+            dtype=self.embed_tokens_per_layer.dtype) if resident_layers else None,
+            persistent=False)
+        self.resident_loaded = False
 
-    def start_parts(self, num_tokens: int | torch.SymInt,
-                    device: torch.device) -> list[torch.Tensor]:
-        """Every part's buffer of the step, its pull started (joined by `combine`)."""
-        return [ops.start_part(name, num_tokens, elems, self.embed_tokens_per_layer.dtype,
-                               device)
+    def load_resident(self, table: torch.Tensor) -> None:
+        """Keep the checkpoint table's columns of the resident layers (vLLM's weight copy:
+        `copy_`, in the engine dtype); the rest of the table is never kept here."""
+        if self.resident_table is None:
+            raise PleModelError("no resident PLE layers were configured")
+        rows, cols = self.resident_table.shape
+        if table.dim() != 2 or table.shape[0] != rows or table.shape[1] < cols:
+            raise PleModelError(f"checkpoint PLE table {tuple(table.shape)} cannot hold the "
+                                f"{rows} x {cols} resident columns")
+        self.resident_table.copy_(table[:, :cols])
+        self.resident_loaded = True
+
+    def start_parts(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Every part's buffer of the step: an offloaded part's pull started (joined by
+        `combine`), the resident part looked up at once."""
+        t, device = input_ids.shape[0], input_ids.device
+        return [self._resident_rows(input_ids) if name is None else
+                ops.start_part(name, t, elems, self.embed_tokens_per_layer.dtype, device)
                 for name, elems in zip(self.late_slot_names, self.late_slot_elems, strict=True)]
 
+    def _resident_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The resident layers' rows, ids mapped as vLLM's `get_per_layer_inputs` maps them
+        (outside `[0, vocab_size_per_layer_input)`: row 0)."""
+        inside = torch.logical_and(input_ids >= 0, input_ids < self.vocab_size_per_layer_input)
+        ids = torch.where(inside, input_ids, torch.zeros_like(input_ids))
+        return torch.nn.functional.embedding(ids, self.resident_table)
+
     def _join_part(self, part: int, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        """`T x (len(part) * d)` raw rows of one part, waited for once `after` exists."""
-        return ops.join_part(self.late_slot_names[part], out, after)
+        """`T x (len(part) * d)` raw rows of one part, waited for once `after` exists (the
+        resident part: looked up already)."""
+        name = self.late_slot_names[part]
+        return out if name is None else ops.join_part(name, out, after)
 
     def scaled_projection(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
         """Steps 1-3 of vLLM's `project_per_layer_inputs`: `[T, L, d]`, not yet normed."""
@@ -237,8 +280,7 @@ class LateGemma4Model(Gemma4Model):
                                    per_layer_inputs, **kwargs)
         hidden_states = self.embed_input_ids(input_ids)
         projection = self.scaled_projection(hidden_states)
-        parts = (self.start_parts(hidden_states.shape[0], hidden_states.device)
-                 if projection is not None else [])
+        parts = self.start_parts(input_ids) if projection is not None else []
         joined: set[int] = set()
         residual = None
         aux_hidden_states = self._maybe_add_hidden_state([], 0, hidden_states, residual)
@@ -292,4 +334,24 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
             raise PleModelError(f"expected LateGemma4Model, vLLM built {type(model).__name__}")
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
         (table,) = settings.geometry.layers
-        model.set_parts(settings.geometry.slots_of(table.layer_name))
+        model.set_parts(settings.geometry.slots_of(table.layer_name),
+                        settings.geometry.resident_layers)
+
+    def load_weights(self, weights: Iterable[Weight]) -> set[str]:
+        """vLLM's load, the PLE table skipped; with resident layers, their columns kept."""
+        model = self.model
+        if model.resident_table is None:
+            return super().load_weights(weights)
+
+        def resident_taken(it: Iterable[Weight]) -> Iterator[Weight]:
+            for name, w in it:
+                if PLE_WEIGHT in name:
+                    model.load_resident(w)
+                else:
+                    yield name, w
+
+        loaded = super().load_weights(resident_taken(weights))
+        if not model.resident_loaded:
+            raise PleModelError("the checkpoint has no PLE table to take the resident layers' "
+                                "columns from")
+        return loaded
