@@ -472,9 +472,8 @@ class Bench:
                 self.pairs[p, big] = (rig.attach(off.handle, geo, self.transport) if first
                                       else rig.attach_another(off.handle, geo, self.transport))
         if "resident" in a.extra:  # `ple.resident_layers: 1`: layers 1-41 offloaded
-            geo = rig.geometry(self.rows, max_t, RESIDENT_SPLIT, row_elems=ROW_ELEMS)
-            geo = type(geo).model_validate({**geo.model_dump(), "resident_layers": 1,
-                                            "parts": RESIDENT_SPLIT[1:]})
+            geo = rig.geometry(self.rows, max_t, RESIDENT_SPLIT[1:], row_elems=ROW_ELEMS,
+                               resident_layers=1)
             self.geos[RESIDENT_SPLIT] = geo
             for big, threads in widths.items():
                 off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,

@@ -76,15 +76,17 @@ def table_view(path: Path) -> np.memmap:
 
 
 def geometry(rows: int, max_tokens: int, parts: tuple[int, ...] = (),
-             row_elems: int = ROW_ELEMS) -> PleGeometry:
+             row_elems: int = ROW_ELEMS, resident_layers: int = 0) -> PleGeometry:
     """One table; `parts` (model layers per slot, 256 values each) splits its row into
-    slots named `LAYER#p` (late pull); `()` is one slot, the whole row, named `LAYER`."""
+    slots named `LAYER#p` (late pull); `()` is one slot, the whole row, named `LAYER`.
+    `resident_layers`: the first layers are the worker's own; the parts cover the rest."""
     layer = LayerGeometry(layer_name=LAYER, rows=rows, row_elems=row_elems, dtype="bfloat16")
     if not parts:
         return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens,
                            layers=(layer,))
     return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, layers=(layer,),
-                       row_layers=row_elems // 256, parts=tuple(parts))
+                       row_layers=row_elems // 256, resident_layers=resident_layers,
+                       parts=tuple(parts))
 
 
 def deadlines() -> PleDeadlines:

@@ -295,6 +295,31 @@ def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
                                                         {before + 1000})
 
 
+RESIDENT = 7  # `ple.resident_layers`: layers 0-6 the worker's own, parts of 7 for the rest
+
+
+@needs_cuda
+def test_late_pull_after_resident_layers_graph_closed_loop_rows_verified(ckpt: Path,
+                                                                         gpu) -> None:
+    """A geometry whose first 7 layers are the worker's own: 4 slots cover layers 7-34,
+    each part's words checked at its own columns (from layer 7's on), captured, 300 steps."""
+    geo = rig.geometry(ROWS, MAX_TOKENS, PARTS[1:], resident_layers=RESIDENT)
+    assert [s.first_layer for s in geo.slots()] == [7, 14, 21, 28]
+    off = rig.OffloadProcess(ckpt, geo, spin_us=2000, actor_name="gpu-rig-resident")
+    try:
+        pair = rig.attach_another(off.handle, geo)
+        with rig.registered(pair):
+            assert _late_engine(pair, geo, 64, seed=500).eager(50) == 0
+            graph = _late_engine(pair, geo, 64, seed=501).capture(False)
+        assert [(c.layer, c.nbytes) for c in graph.record.copies] == [
+            (i, 64 * 3584) for i in range(len(PARTS) - 1)]
+        assert graph.run(300) == 0
+        c = pair.block.counters()
+        assert (c.posted, c.released) == (350, 350)
+    finally:
+        off.close()
+
+
 @needs_cuda
 def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
         late, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -382,6 +407,19 @@ def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
         "'slots': list(p.handle.layer_names)})); o.close()", ckpt)
     assert out["wrong"] == 0 and out["c"] == [100, 100]
     assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]
+
+
+def test_rig_late_pull_after_resident_layers_on_the_cpu_transport(ckpt: Path) -> None:
+    """Slots that start after the resident layers: the offload actor gathers each part's
+    own columns (layer 7's on), every word checked where it belongs."""
+    out = _rig_on_cpu(
+        f"g = r.geometry({ROWS}, 64, {PARTS[1:]!r}, resident_layers={RESIDENT}); "
+        "o = r.OffloadProcess(ckpt, g); p = r.attach(o.handle, g, 'cpu'); "
+        f"e = r.Engine(p, r.LateStandIn({ROWS}, g), 8, {ROWS}, torch.device('cpu')); "
+        "print(json.dumps({'wrong': e.eager(100), 'c': [p.block.posted, p.block.released], "
+        "'first': [s.first_layer for s in g.slots()]})); o.close()", ckpt)
+    assert out["wrong"] == 0 and out["c"] == [100, 100]
+    assert out["first"] == [7, 14, 21, 28]
 
 
 def test_rig_stream_post_is_refused_on_the_cpu_transport(ckpt: Path) -> None:
