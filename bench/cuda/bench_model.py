@@ -456,31 +456,17 @@ class Bench:
         t0 = time.perf_counter()
         ckpt = rig.write_pattern_checkpoint(a.work / "ckpt", self.rows, ROW_ELEMS)
         self.info: dict[str, Any] = {"table_write_s": round(time.perf_counter() - t0, 2)}
-        # offload processes per part count, and per gather width: `gather_threads` for the
-        # decode sizes, `gather_threads_big` above 256 tokens (a pool per part costs more
-        # than it saves on small steps: bench/cuda/README.md)
-        widths = {False: a.gather_threads, True: a.gather_threads_big}
+        # offload processes per part count (and per gather width: `serve`)
         for p in dict.fromkeys([(LAYERS,), *self.parts(), *self.splits()]):
             geo = rig.geometry(self.rows, max_t, p if len(p) > 1 else (), row_elems=ROW_ELEMS)
             self.geos[p] = geo
-            for big, threads in widths.items():
-                off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
-                                         actor_name=f"bench-model-{split_label(p)}-{threads}",
-                                         gather_threads=threads)
-                self.offloads.append(off)
-                first = not self.pairs
-                self.pairs[p, big] = (rig.attach(off.handle, geo, self.transport) if first
-                                      else rig.attach_another(off.handle, geo, self.transport))
+            for big, pair in self.serve(ckpt, geo, split_label(p)).items():
+                self.pairs[p, big] = pair
         if "resident" in a.extra:  # `ple.resident_layers: 1`: layers 1-41 offloaded
             geo = rig.geometry(self.rows, max_t, RESIDENT_SPLIT[1:], row_elems=ROW_ELEMS,
                                resident_layers=1)
             self.geos[RESIDENT_SPLIT] = geo
-            for big, threads in widths.items():
-                off = rig.OffloadProcess(ckpt.parent, geo, spin_us=a.spin_us,
-                                         actor_name=f"bench-model-resident-{threads}",
-                                         gather_threads=threads)
-                self.offloads.append(off)
-                self.resident_pairs[big] = rig.attach_another(off.handle, geo, self.transport)
+            self.resident_pairs = self.serve(ckpt, geo, "resident")
         self.info["offload_setup_s"] = round(time.perf_counter() - t0, 2)
         view = rig.table_view(ckpt)
         if self.device.type == "cuda":
@@ -511,6 +497,21 @@ class Bench:
             self.head_gpu = self.table_gpu[:, :D].contiguous()
         self.weights = Weights(Shape(a.tiny), self.device)
         self.info["setup_s"] = round(time.perf_counter() - t0, 2)
+
+    def serve(self, ckpt: Path, geo: Any, label: str) -> dict[bool, Any]:
+        """Offload processes serving `geo`, one per gather width (`gather_threads` for the
+        decode sizes, `gather_threads_big` above 256 tokens: a pool per part costs more than
+        it saves on small steps, bench/cuda/README.md), and this process's pair of each."""
+        pairs: dict[bool, Any] = {}
+        for big, threads in {False: self.a.gather_threads, True: self.a.gather_threads_big}.items():
+            off = rig.OffloadProcess(ckpt.parent, geo, spin_us=self.a.spin_us,
+                                     actor_name=f"bench-model-{label}-{threads}",
+                                     gather_threads=threads)
+            self.offloads.append(off)
+            first = not self.pairs and not pairs
+            pairs[big] = (rig.attach(off.handle, geo, self.transport) if first
+                          else rig.attach_another(off.handle, geo, self.transport))
+        return pairs
 
     def tokens(self) -> list[int]:
         return [int(x) for x in self.a.tokens.split(",")]
