@@ -161,8 +161,9 @@ class LateGemma4Model(Gemma4Model):
 
     late_parts: tuple[range, ...] = ()
     late_part_of: tuple[int, ...] = ()  # layer -> its part (trace-time constants)
-    late_slot_names: tuple[str | None, ...] = ()  # plain values: traced as constants;
-    late_slot_elems: tuple[int, ...] = ()  # None: the resident part, looked up here
+    # plain values, traced as constants; a name None is the resident part, looked up here
+    late_slot_names: tuple[str | None, ...] = ()
+    late_slot_elems: tuple[int, ...] = ()
 
     def set_parts(self, slots: tuple[SlotGeometry, ...], resident_layers: int = 0) -> None:
         """The table's slots, in order, covering every layer from `resident_layers` on once
