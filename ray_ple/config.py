@@ -51,10 +51,10 @@ class PleConfig(Frozen):
             | Annotated[tuple[Annotated[int, Field(ge=1)], ...],
                         Field(min_length=1, max_length=128)]) = Field(
         "auto", description="slots per table row, each of consecutive layers with its own "
-        "flag, waited for at its first layer (late waits): n parts as even as can be, or a "
-        "list of layers per part in order (adding up to the model's layers); auto: one part "
-        "up to 6 layers, above parts of 1, 2, 4, ... layers and the rest; 1: the whole row "
-        "at once"
+        "flag, waited for at its first layer (late waits), covering the offloaded layers (the "
+        "model's, less `resident_layers`): n parts as even as can be, or a list of layers per "
+        "part in order (adding up to the offloaded layers); auto: one part up to 6 layers, "
+        "above parts of 1, 2, 4, ... layers and the rest; 1: all of them at once"
     )
     resident_layers: Annotated[int, Field(ge=0, le=128)] | Literal["auto"] = Field(
         "auto", description="first layers whose PLE columns the worker keeps in its own "
@@ -62,7 +62,7 @@ class PleConfig(Frozen):
         "gather, copy or wait is on layer 0's gate (E4B: 134 MB of the 5.6 GB table a "
         "layer); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
         "auto: 1 on the cuda transport (decode steps then never wait for the first part: "
-        "bench/cuda/README.md, late-run19), 0 on cpu and for Gemma 3n"
+        "bench/cuda/README.md, late-run19), 0 on cpu, for Gemma 3n and for a one-layer model"
     )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "

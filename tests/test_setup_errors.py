@@ -123,7 +123,10 @@ def test_malformed_resident_layers_are_rejected_by_the_config_in_one_message(res
 
 @pytest.mark.parametrize(("arch", "resident", "parts", "match"), [
     ("Gemma4ForCausalLM", 42, "auto", r"ple.resident_layers=42: .* so 0..41"),
-    ("Gemma4ForCausalLM", 2, [42], r"ple.parts=\[42\]: .* offloads 40 layers, .* add up to 40"),
+    ("Gemma4ForCausalLM", 2, [42],
+     r"ple.parts=\[42\]: .* offloads 40 layers \(after ple.resident_layers=2\), .* add up to 40"),
+    ("Gemma4ForCausalLM", 1, 42,
+     r"ple.parts=42: .* offloads 41 layers \(after ple.resident_layers=1\), so 1..41"),
     ("Gemma3nForCausalLM", 1, "auto", r"ple.resident_layers=1: .* pulls the whole row .* so 0"),
 ])
 def test_resident_layers_that_do_not_fit_are_one_clear_error(tmp_path, arch, resident, parts,

@@ -101,7 +101,8 @@ def test_two_workers_share_one_table_and_match_plain_at_tp2(cluster):
 def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocabulary(cluster):
     """Gemma 4's offload class waits for each part at its first layer's gate and combines
     the part's layers there; compiled by torch.compile (the pull ordered after the gate),
-    tokens equal vLLM's own compiled model, for a part of one layer and one of two.
+    tokens equal vLLM's own compiled model, for a part of one layer and one of two, and with
+    layer 0 resident (`resident_layers: 1`: the worker's own lookup) and a part each after.
     The model's PLE vocabulary (192) is smaller than its vocabulary: ids beyond it read row 0,
     as vLLM maps them (one pair of engines covers both, each engine costs minutes on CPU)."""
     model = "ray-ple://tiny-gemma4-ple192"
@@ -127,3 +128,31 @@ def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocab
     problems, near_ties = hf_agrees(str(build(PRESETS["tiny-gemma4-ple192"])), PROMPTS,
                                     flat(offload["tokens"]), ulps=8)
     assert problems == [] and near_ties <= 4
+
+
+def test_resident_columns_are_taken_once_from_the_whole_table_or_refused():
+    """`load_resident` keeps the first layers' columns of exactly the geometry's table, once;
+    a forward before any load (a loader that never calls `load_weights`) is refused."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ray_ple.errors import PleModelError
+    from ray_ple.worker.vllm_plugin.late_gemma4 import LateGemma4Model
+
+    def model() -> SimpleNamespace:
+        return SimpleNamespace(resident_table=torch.zeros(6, 8), resident_loaded=False,
+                               config=SimpleNamespace(num_hidden_layers=3),
+                               hidden_size_per_layer_input=4)
+
+    table = torch.arange(6 * 12, dtype=torch.float32).reshape(6, 12)
+    m = model()
+    LateGemma4Model.load_resident(m, table.to(torch.bfloat16))
+    assert m.resident_loaded and torch.equal(m.resident_table, table[:, :8])
+    with pytest.raises(PleModelError, match="second PLE table"):
+        LateGemma4Model.load_resident(m, table)
+    for wrong in (table[:, :8], table[:5], table.reshape(6, 3, 4)):
+        with pytest.raises(PleModelError, match="is not the 6 x 12 table"):
+            LateGemma4Model.load_resident(model(), wrong)
+    with pytest.raises(PleModelError, match="never loaded"):
+        LateGemma4Model.start_parts(model(), torch.zeros(2, dtype=torch.int64))

@@ -117,29 +117,31 @@ def slot_name(table: str, part: int, parts: int) -> str:
 Parts = int | Literal["auto"] | tuple[int, ...]
 
 
-def split_layers(num_layers: int, parts: Parts) -> tuple[int, ...]:
-    """Layers per part, in order, of the `num_layers` offloaded layers of a row.
+def split_layers(num_layers: int, parts: Parts, resident_layers: int = 0) -> tuple[int, ...]:
+    """Layers per part, in order, of the `num_layers` offloaded layers of a row (those after
+    `resident_layers`, named in an error).
 
     An int n: n parts, as even as can be (earlier parts never larger). A tuple: those
-    layers per part, covering the row. "auto": one part up to 6 layers; above, parts that
+    layers per part, covering them. "auto": one part up to 6 layers; above, parts that
     double from one layer (1, 2, 4, ...) until the rest is under three times the next size,
-    then the rest (E4B's 42 -> 1, 2, 4, 8, 27; E2B's 35 -> 1, 2, 4, 8, 20). A small first
+    then the rest (E4B's 42 -> 1, 2, 4, 8, 27, or its 41 after a resident layer -> 1, 2, 4,
+    8, 26; E2B's 35 -> 1, 2, 4, 8, 20). A small first
     part is up before layer 0's gate even at thousands of tokens; each later part's gather
     has its predecessors' layers to hide behind, which grow as fast as the parts do; and
     few parts keep the forks, waits and joins few (bench/cuda/README.md, late-run13).
     """
+    offloads = f"the table's row offloads {num_layers} layers" + (
+        f" (after ple.resident_layers={resident_layers})" if resident_layers else "")
     if isinstance(parts, tuple):
         if not parts or min(parts) < 1 or sum(parts) != num_layers:
-            raise PleConfigError(f"ple.parts={list(parts)}: the table's row offloads "
-                                 f"{num_layers} layers, so parts of >= 1 layer that add up to "
-                                 f"{num_layers}")
+            raise PleConfigError(f"ple.parts={list(parts)}: {offloads}, so parts of >= 1 layer "
+                                 f"that add up to {num_layers}")
         return parts
     if parts == "auto":
         return _doubling(num_layers) if num_layers > 6 else (num_layers,)
     n = int(parts)
     if not 1 <= n <= num_layers:
-        raise PleConfigError(f"ple.parts={parts}: the table's row offloads {num_layers} "
-                             f"layers, so 1..{num_layers} parts")
+        raise PleConfigError(f"ple.parts={parts}: {offloads}, so 1..{num_layers} parts")
     base, extra = divmod(num_layers, n)
     return tuple(base + (1 if i >= n - extra else 0) for i in range(n))
 
@@ -289,7 +291,7 @@ def geometry_from_config(
             raise PleConfigError(f"ple.parts={shown}: {arch}'s offload class pulls the whole "
                                  "row before its first layer, so one part (1 or auto)")
         parts = 1
-    split = split_layers(num_layers - resident_layers, parts)
+    split = split_layers(num_layers - resident_layers, parts, resident_layers)
     return PleGeometry(architecture=arch, max_tokens=max_tokens, layers=(layer,),
                        row_layers=num_layers, resident_layers=resident_layers,
                        parts=split if len(split) > 1 else ())

@@ -24,7 +24,7 @@ CPU the engine thread waits for the flag and copies, eagerly through the op's ke
 so that no compiler can hoist the join above the layers it is meant to overlap. Under
 piecewise CUDA graphs a fork cannot be joined in another piece, so there the join itself
 waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
-whole row is joined at layer 0's gate.
+whole offloaded row is joined at its first layer's gate.
 
 Resident layers (`ple.resident_layers`, `PleGeometry.resident_layers`; auto: 1 on CUDA): the
 first layers' columns of the checkpoint's table are kept by this model (`resident_table`,
@@ -192,19 +192,27 @@ class LateGemma4Model(Gemma4Model):
 
     def load_resident(self, table: torch.Tensor) -> None:
         """Keep the checkpoint table's columns of the resident layers (vLLM's weight copy:
-        `copy_`, in the engine dtype); the rest of the table is never kept here."""
+        `copy_`, in the engine dtype); the rest of the table is never kept here. The table
+        must be the whole `rows x (layers * d)` one, and come once."""
         if self.resident_table is None:
             raise PleModelError("no resident PLE layers were configured")
+        if self.resident_loaded:
+            raise PleModelError("the checkpoint has a second PLE table: which one holds the "
+                                "resident layers' columns is ambiguous")
         rows, cols = self.resident_table.shape
-        if table.dim() != 2 or table.shape[0] != rows or table.shape[1] < cols:
-            raise PleModelError(f"checkpoint PLE table {tuple(table.shape)} cannot hold the "
-                                f"{rows} x {cols} resident columns")
+        whole = (rows, self.config.num_hidden_layers * self.hidden_size_per_layer_input)
+        if tuple(table.shape) != whole:
+            raise PleModelError(f"checkpoint PLE table {tuple(table.shape)} is not the "
+                                f"{whole[0]} x {whole[1]} table the geometry describes")
         self.resident_table.copy_(table[:, :cols])
         self.resident_loaded = True
 
     def start_parts(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Every part's buffer of the step: an offloaded part's pull started (joined by
         `combine`), the resident part looked up at once."""
+        if self.resident_table is not None and not self.resident_loaded:
+            # a loader that never called `load_weights` (a dummy format) left it unwritten
+            raise PleModelError("the resident PLE layers' columns were never loaded")
         t, device = input_ids.shape[0], input_ids.device
         return [self._resident_rows(input_ids) if name is None else
                 ops.start_part(name, t, elems, self.embed_tokens_per_layer.dtype, device)
