@@ -14,7 +14,7 @@ process that compiled it.
 `pull_async`/`pull_wait` split one pull so that a model (or the CUDA bench's stand-in) can
 start every part at the top of its forward and join each just before its layer; both mutate
 `out`, so a tracer keeps them in order. The CPU transport has nothing to start: it waits and
-copies in `pull_wait`, on the engine thread, as late as the model asks (and `start_part`
+copies in `pull_wait`, on the engine thread, as late as the model asks (and `start_parts`
 does not call `pull_async` on a CPU device at all).
 
 `after` is the late wait's anchor: a tensor the layer computes just before it needs the
@@ -29,9 +29,13 @@ kernel is pure cost on a millisecond CPU forward. On CUDA, and whenever Dynamo t
 ops are called.
 
 Piecewise CUDA graphs (vLLM's mode for mixed prefill batches) capture the forward in
-pieces, and a fork in one piece cannot be joined in another: in such a forward (asked of the
-probe the model class installs, `set_piecewise_probe`) `pull_async` starts nothing and
-`pull_wait` pulls in stream order, waiting for and copying the part where it is needed.
+pieces, and a fork captured in one piece cannot be joined in another. The model class makes
+`pull_async` one of vLLM's splitting ops, so that it runs eagerly between the pieces (on
+every replay too) and forks there; the join, captured in a later piece, waits on the fork's
+event as an external one (`ray_ple.worker.transport.cuda`). Should a `pull_async` still be
+captured inside a piece (asked of the probe the model class installs, `set_piecewise_probe`),
+it starts nothing, and `pull_wait`, finding no started pull, waits for and copies the part
+in stream order where it is needed.
 """
 
 from __future__ import annotations
@@ -65,15 +69,15 @@ def _pull_fake(out: torch.Tensor, layer_name: str) -> None:
 
 
 def _pull_async(out: torch.Tensor, layer_name: str) -> None:
-    if _piecewise():
-        return  # nothing to start: the join pulls in stream order
+    if _piecewise() and torch.cuda.is_current_stream_capturing():
+        return  # inside a piece: nothing to start, the join pulls in stream order
     pair, index = worker_pair.resolve(layer_name)
     pair.pull_async(index, out)
 
 
 def _pull_wait(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
     pair, index = worker_pair.resolve(layer_name)
-    (pair.pull if _piecewise() else pair.pull_wait)(index, out)
+    pair.pull_wait(index, out)
 
 
 def _pull_wait_fake(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
@@ -110,20 +114,20 @@ def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
     return out
 
 
-def start_part(slot_name: str, num_tokens: int | torch.SymInt, row_elems: int,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Start one slot's rows of the step, `num_tokens x row_elems`; `join_part` before use.
+def start_parts(slots: list[tuple[str, torch.Tensor]]) -> None:
+    """Start each `(slot name, out)` pull of the step; `join_part` before use. Called with
+    every part at once, after their buffers exist, so that the starts are consecutive ops
+    (vLLM keeps consecutive splitting ops in one eager segment between two pieces).
 
     On a CPU device there is nothing to start (the join waits and copies) and no op is
     called: one Python op dispatch less per part and step on a millisecond CPU forward."""
-    out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
-    if device.type != "cpu":
-        torch.ops.ray_ple.pull_async(out, slot_name)
-    return out
+    for slot_name, out in slots:
+        if out.device.type != "cpu":
+            torch.ops.ray_ple.pull_async(out, slot_name)
 
 
 def join_part(slot_name: str, out: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """The late wait: `out` (from `start_part`) holds the step's rows once `after` exists."""
+    """The late wait: `out` (started by `start_parts`) holds the step's rows once `after` exists."""
     if eager_on_cpu(out):
         _pull_wait(out, after, slot_name)
     else:

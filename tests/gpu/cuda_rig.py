@@ -391,6 +391,123 @@ class GraphStep:
         return int(self.err.item())
 
 
+# vLLM's piecewise CUDA graphs --------------------------------------------------------------
+@contextmanager
+def piecewise() -> Iterator[None]:
+    """The forward runs piece by piece (vLLM's `in_piecewise_cudagraph()`), for the duration."""
+    from ray_ple.worker import ops
+
+    saved = ops._piecewise
+    ops.set_piecewise_probe(lambda: True)
+    try:
+        yield
+    finally:
+        ops.set_piecewise_probe(saved)
+
+
+class Pieces:
+    """A forward as vLLM's piecewise backend runs it: captured segments (one CUDA graph each,
+    one memory pool) between eager ones (its splitting ops, whose Python runs on every
+    replay too). Segments keep their tensors on a state object of their own: a captured
+    segment's outputs are the graph's static buffers, which later segments read."""
+
+    def __init__(self, segments: list[tuple[bool, Any]]) -> None:
+        self.segments = segments  # (captured?, fn() -> None)
+        self.run_list: list[Any] = []
+
+    def capture(self, warmups: int = 1) -> None:
+        """Warm-up eagerly, then capture every captured segment, in order (vLLM's capture
+        `_dummy_run`: one forward; the eager segments run between the captures)."""
+        with piecewise():
+            for _ in range(warmups):
+                for _, fn in self.segments:
+                    fn()
+            pool = torch.cuda.graph_pool_handle()
+            for captured, fn in self.segments:
+                if not captured:
+                    fn()
+                    self.run_list.append(fn)
+                    continue
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=torch.cuda.current_stream()):
+                    fn()
+                self.run_list.append(g.replay)
+
+    def replay(self) -> None:
+        with piecewise():
+            for fn in self.run_list:
+                fn()
+
+
+class PiecewiseLate:
+    """`LateStandIn` under piecewise graphs with `ray_ple::pull_async` a splitting op (what
+    the late Gemma 4 class asks of vLLM): piece 0 allocates the part buffers; every part's
+    `pull_async` runs eagerly after it (a fork on the side stream, on every replay); one
+    captured piece per part joins it (an external event wait) and reads it; a last piece
+    checks every word and closes the loop. Captured as one local forward; replays are not
+    declared (`replayed`), as vLLM declares none: the release finds the capture by its
+    token count and the layers it joins. `skip_join`: the piece of that part does not join
+    it (what a capture missing a join must be refused for)."""
+
+    def __init__(self, engine: Engine, skip_join: int | None = None) -> None:
+        e, m = engine, engine.model
+        self.engine, self.model, self.skip = e, m, skip_join
+        self.ids = e.ids.clone()
+        self.ids32 = e.ids.to(torch.int32)
+        self.host_ids = torch.empty(e.t, dtype=torch.int64, pin_memory=True)
+        self.host_ids.copy_(e.ids)
+        self.err = torch.zeros((), dtype=torch.int64, device=e.device)
+        segs: list[tuple[bool, Any]] = [(True, self._alloc), (False, self._start)]
+        segs += [(True, lambda p=p: self._part(p)) for p in range(len(m.slots))]
+        self.pieces = Pieces([*segs, (True, self._end)])
+        with e.pair.local_forward():
+            self.pieces.capture()
+        self.record = e.pair.transport.last_capture
+        self.err.zero_()
+        self.ids.copy_(e.ids)
+        self.ids32.copy_(e.ids)
+        self.host_ids.copy_(e.ids)
+        sync(e.device)
+
+    def _alloc(self) -> None:
+        self.buf = self.model.buffers(self.ids)
+        self.acc = (self.ids % 7).float()
+
+    def _start(self) -> None:
+        for (name, _, _), view in zip(self.model.slots, self.buf, strict=True):
+            torch.ops.ray_ple.pull_async(view, name)
+
+    def _part(self, p: int) -> None:
+        if p != self.skip:
+            self.model.wait(self.buf, p)
+        self.acc += (self.buf[p][:, :2].view(torch.int32) & 0xFF).float().sum(1)
+
+    def _end(self) -> None:
+        bad = self.model.check(self.buf, self.ids)
+        t = torch.arange(self.ids.shape[0], device=self.ids.device, dtype=torch.int64)
+        nxt = ((self.ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.model.rows
+        self.err.add_(bad)
+        self.ids.copy_(nxt)
+        self.ids32.copy_(nxt)
+        self.host_ids.copy_(nxt, non_blocking=True)
+
+    def run(self, n: int, wait: bool = True) -> int:
+        """n closed-loop steps, posted by the stream (`engine.stream`) or the host."""
+        e, pair = self.engine, self.engine.pair
+        stream = torch.cuda.current_stream(e.device)
+        for _ in range(n):
+            if wait:
+                stream.synchronize()
+            ctx = (pair.stream_step(self.ids32) if e.stream
+                   else pair.step(self.host_ids.numpy()))
+            with ctx:
+                self.pieces.replay()
+            e.steps += 1
+        stream.synchronize()
+        e.ids.copy_(self.ids)
+        return int(self.err.item())
+
+
 # torch.compile across processes ------------------------------------------------------------
 def dynamo_graph(pair: worker_pair.WorkerPair, model: torch.nn.Module,
                  ids: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Any]]:
@@ -522,6 +639,30 @@ def geometry_mismatch_scenario(work: Path) -> None:
         off.close()
 
 
+def piecewise_scenario(work: Path, fault: str) -> None:
+    """Piecewise graphs that must end the process: `unjoined`, a capture whose pieces never
+    join part 2's eager pull (refused when the capture ends); `unstarted`, a step that
+    replays the pieces without running the eager `pull_async`s (its joins would wait for no
+    copy: refused before the release)."""
+    import ray_ple.worker.ops  # noqa: F401
+
+    geo = geometry(4096, max_tokens=64, parts=(7, 7, 7, 7, 7))
+    off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
+    pair = attach(off.handle, geo, "cuda")
+    engine = Engine(pair, LateStandIn(4096, geo).cuda(), 8, 4096, torch.device("cuda"))
+    step = PiecewiseLate(engine, skip_join=2 if fault == "unjoined" else None)
+    print(json.dumps({"captured_joins": list(step.record.joins),
+                      "wrong_words": step.run(20)}), flush=True)
+    with pair.step(step.host_ids.numpy()):
+        with piecewise():
+            for captured, fn in zip((c for c, _ in step.pieces.segments), step.pieces.run_list,
+                                    strict=True):
+                if captured:
+                    fn()  # the pieces alone: no eager pull_async this step
+    print(json.dumps({"error": "pieces replayed without their pulls were not stopped"}),
+          flush=True)
+
+
 def stamp_mismatch_scenario(work: Path, late: bool) -> None:
     """A slot whose stamp is not the step in flight: the GPU must fail closed (trap, reason).
 
@@ -587,7 +728,8 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch",
-                                         "stamp-early", "stamp-late", "stream-post-twice"])
+                                         "stamp-early", "stamp-late", "stream-post-twice",
+                                         "piecewise-unjoined", "piecewise-unstarted"])
     ap.add_argument("work", type=Path)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
@@ -595,6 +737,9 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
+        sys.exit(0)
+    if a.scenario.startswith("piecewise-"):
+        piecewise_scenario(a.work, a.scenario.split("-")[1])
         sys.exit(0)
     if a.scenario == "stream-post-twice":
         stream_post_twice_scenario(a.work)

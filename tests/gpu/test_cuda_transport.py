@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -321,11 +322,100 @@ def test_late_pull_after_resident_layers_graph_closed_loop_rows_verified(ckpt: P
 
 
 @needs_cuda
+def test_external_event_wait_resolves_the_record_made_before_launch() -> None:
+    """What the piecewise joins rest on: a graph's external event wait waits for the
+    event's record made before the graph's launch, and not for one made after it (the next
+    step's fork re-records done[layer] while this step's pieces may still be queued)."""
+    import mmap
+
+    import numpy as np
+
+    from ray_ple.worker.transport.cuda_host import check, driver, register_host
+
+    d = driver()
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    words = np.frombuffer(page, dtype=np.int32)
+    dev = register_host(int(words.ctypes.data), mmap.PAGESIZE, words,
+                        what="event probe page").device_ptr
+    ev = check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    eq = d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+    s_before, s_after, cap = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=cap):
+        check(d.cuStreamWaitEvent(cap.cuda_stream, ev,
+                                  d.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL), "wait ext")
+        check(d.cuStreamWriteValue32(cap.cuda_stream, dev + 4, 1, 0), "write")
+    # record A: held until word 0 is 1; the launch; record B (after it): held on word 2
+    check(d.cuStreamWaitValue32(s_before.cuda_stream, dev, 1, eq), "hold A")
+    check(d.cuEventRecord(ev, s_before.cuda_stream), "record A")
+    g.replay()
+    check(d.cuStreamWaitValue32(s_after.cuda_stream, dev + 8, 1, eq), "hold B")
+    check(d.cuEventRecord(ev, s_after.cuda_stream), "record B")
+    time.sleep(0.05)
+    held = int(words[1])
+    words[0] = 1  # A completes; B stays held
+    deadline = time.monotonic() + 5
+    while int(words[1]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    after_a = int(words[1])
+    words[2] = 1
+    torch.cuda.synchronize()
+    assert held == 0, "the graph did not wait for the record made before its launch"
+    assert after_a == 1, "the graph waited for a record made after its launch"
+
+
+@needs_cuda
+@pytest.mark.parametrize(("t", "stream"), [(8, False), (64, True), (256, True)])
+def test_piecewise_pieces_join_eager_forks_closed_loop_rows_verified(late, t: int,
+                                                                     stream: bool) -> None:
+    """vLLM's piecewise graphs with `pull_async` a splitting op: the forks run eagerly
+    between the pieces on every replay, the pieces join them as external events; the
+    capture records joins and no copy; replays declared to no one (as vLLM's), released
+    through the capture found by token count; 300 steps, every word checked."""
+    _, pair, geo = late
+    before = pair.block.posted
+    with rig.registered(pair):
+        engine = rig.Engine(pair, rig.LateStandIn(ROWS, geo).cuda(), t, ROWS,
+                            torch.device("cuda"), seed=700 + t, stream=stream)
+        step = rig.PiecewiseLate(engine)
+        assert pair.block.posted == before, "a capture must not post"
+        assert (step.record.copies, step.record.joins) == ((), tuple(range(len(PARTS))))
+        assert step.run(300, wait=not stream) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 300, before + 300,
+                                                        {before + 300})
+
+
+@needs_cuda
+@pytest.mark.parametrize("fault", ["unjoined", "unstarted"])
+def test_piecewise_pieces_that_miss_a_join_or_a_start_are_fatal(ckpt: Path, tmp_path: Path,
+                                                                 fault: str) -> None:
+    """A capture whose pieces do not join every eager pull is refused when it ends; a step
+    whose pieces replay without their eager pulls (joins that would wait for no copy) is
+    refused before its release: both end the process (exit 86), naming GEOMETRY."""
+    (tmp_path / "ckpt").symlink_to(ckpt)
+    proc = subprocess.run([sys.executable, str(RIG), f"piecewise-{fault}", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    verdicts = [json.loads(line) for line in proc.stderr.splitlines()
+                if '"verdict"' in line and line.startswith("{")]
+    assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
+    assert verdicts and verdicts[0]["reason"] == "GEOMETRY", verdicts
+    assert verdicts[0]["where"] == "consumer", verdicts
+    if fault == "unstarted":  # the pieces ran right while their pulls ran
+        assert lines and lines[0]["wrong_words"] == 0 and lines[0]["captured_joins"] == [
+            0, 1, 2, 3, 4], lines
+    else:
+        assert not lines, lines
+
+
+@needs_cuda
 def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
         late, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under vLLM's piecewise graphs a fork could not be joined in a later piece: with the
-    piecewise probe up, `pull_async` starts nothing and `pull_wait` waits and copies on the
-    model stream, eager and captured (no side-stream copy in the graph), rows verified."""
+    """A `pull_async` captured inside a piece (not a splitting op) could not be joined in a
+    later piece: captured under the piecewise probe it starts nothing and `pull_wait`,
+    finding no started pull, waits and copies on the model stream (no side-stream copy in
+    the graph); eager, it forks and joins; rows verified."""
     from ray_ple.worker import ops
 
     _, pair, geo = late

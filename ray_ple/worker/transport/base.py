@@ -48,6 +48,12 @@ class Transport(ABC):
         """Start `layer`'s pull; `pull_wait` joins it just before the rows are read. A
         synchronous transport (CPU) starts nothing: its join waits and copies."""
 
+    def started(self, layer: int) -> bool:
+        """Has this forward started `layer`'s pull (`pull_async`) and not yet joined it? A
+        join of a pull never started (a synchronous transport, or a fork that could not be
+        captured where the join is) pulls in consumer order instead."""
+        return False
+
     def pull_wait(self, layer: int, out: torch.Tensor) -> None:
         """`layer`'s rows of the step are in `out` once this returns (in consumer order)."""
         self.pull(layer, out)

@@ -30,7 +30,15 @@ group of consecutive model layers) arrives while the earlier layers run::
                              consumed); every async pull of a step must be waited before its
                              release, which stays on the model stream and the only reset
 
-Both are graph-capturable (a fork and a join of the capturing stream). The step stamp check
+Both are graph-capturable (a fork and a join of the capturing stream). Under vLLM's piecewise
+graphs a fork cannot be captured in one piece and joined in another, so there `pull_async`
+runs eagerly between the pieces (the model class makes it one of vLLM's splitting ops) and
+the join captured inside a later piece waits on done[layer] as an external event
+(`CU_EVENT_WAIT_EXTERNAL`: a graph node that waits for the event's latest record when the
+graph is launched, which is this step's fork, issued before that piece's launch). A capture
+records those joins (`CaptureRecord.joins`); a step whose eager pulls no Python join waited
+is released only if a graph captured for its token count joins exactly those layers, and
+its release waits for their copies in any case. The step stamp check
 runs on the GPU because the host cannot see the copy happen: a graph replay or an async copy
 has no host moment between "flag up" and "rows consumed". It fails closed with a trap (the
 context is lost, so the step's tokens never leave the GPU) after writing the reason word and
@@ -142,8 +150,10 @@ class CaptureRecord(Frozen):
     rows: int
     copies: tuple[LayerCopy, ...]
     release: bool
+    joins: tuple[int, ...] = ()  # layers whose eager (piecewise) async pull the graph joins
 
     def layers(self) -> set[int]:
+        """The layers the graph itself copies."""
         return {c.layer for c in self.copies}
 
 
@@ -215,6 +225,8 @@ class CudaTransport(Transport):
         self._pulled: list[int] = [-1] * self._nflags
         self._waited: list[int] = [-1] * self._nflags
         self._capture_pending: set[int] = set()
+        self._eager_forks: set[int] = set()  # local: started outside a capture, not joined
+        self._capture_joins: list[tuple[int, int]] = []  # (layer, rows) joined externally
         self._capture: list[LayerCopy] | None = None
         self._capture_release = False
         self.captures: dict[int, list[CaptureRecord]] = {}
@@ -303,9 +315,12 @@ class CudaTransport(Transport):
         check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
         return mode
 
-    def _join(self, layer: int, model: int) -> None:
+    def _join(self, layer: int, model: int, external: bool = False) -> None:
+        """`model` waits for done[layer]; `external` in a capture whose graph did not
+        capture the fork (an event wait node, resolved at each launch)."""
         d = driver()
-        check(d.cuStreamWaitEvent(model, self._done[layer], 0), "cuStreamWaitEvent(done)")
+        flags = d.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL if external else 0
+        check(d.cuStreamWaitEvent(model, self._done[layer], flags), "cuStreamWaitEvent(done)")
 
     def _geometry(self, layer: int, out: torch.Tensor) -> int:
         """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
@@ -383,10 +398,20 @@ class CudaTransport(Transport):
         self._join(layer, self._stream())
         self._waited[layer] = step
 
+    def started(self, layer: int) -> bool:
+        """Has `layer`'s async pull of this forward been started and not yet joined?"""
+        w = self.worker
+        if w.phase is Phase.STEP:
+            return self._pulled[layer] == w.step and self._waited[layer] != w.step
+        return layer in self._capture_pending or layer in self._eager_forks
+
     def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
-        """`pull_async` in a local forward: zero rows eagerly; a capture records the fork."""
+        """`pull_async` in a local forward: zero rows eagerly (a later captured join is then
+        an external one: piecewise); a capture records the fork."""
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
+            if self._capture is not None:
+                self._eager_forks.add(layer)
             return
         self._check_local_capture(layer)
         nbytes = self._geometry(layer, out)
@@ -396,19 +421,30 @@ class CudaTransport(Transport):
         self._capture_pending.add(layer)
 
     def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
-        """`pull_wait` in a local forward: nothing eagerly; a capture records the join."""
+        """`pull_wait` in a local forward: nothing eagerly; a capture records the join (of a
+        fork it captured, or of an eager one: piecewise)."""
         if not torch.cuda.is_current_stream_capturing():
+            self._eager_forks.discard(layer)
             return
-        if self._capture is None or layer not in self._capture_pending:
+        if self._capture is None or not (layer in self._capture_pending
+                                         or layer in self._eager_forks):
             self._fail(Reason.INVARIANT, layer, "captured wait for a layer whose async pull "
-                       "this capture did not record, or waited twice")
-        self._join(layer, self._stream())
-        self._capture_pending.discard(layer)
+                       "this forward did not start, or waited twice")
+        if layer in self._capture_pending:
+            self._join(layer, self._stream())
+            self._capture_pending.discard(layer)
+            return
+        self._check_local_capture(layer)
+        self._geometry(layer, out)
+        self._join(layer, self._stream(), external=True)
+        self._eager_forks.discard(layer)
+        self._capture_joins.append((layer, out.shape[0]))
 
     def _check_local_capture(self, layer: int) -> None:
         if self.worker.phase is not Phase.LOCAL or self._capture is None:
             self._fail(Reason.STATE, layer, "capture outside a local forward")
-        if any(c.layer == layer for c in self._capture):
+        if (any(c.layer == layer for c in self._capture)
+                or any(j == layer for j, _ in self._capture_joins)):
             self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
 
     def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
@@ -437,31 +473,37 @@ class CudaTransport(Transport):
         if self._capture is not None:
             raise PleConfigError("local forwards do not nest")
         self._capture, self._capture_release = [], False
-        self._capture_pending = set()
+        self._capture_pending, self._eager_forks, self._capture_joins = set(), set(), []
         try:
             yield
         finally:
             copies, self._capture = self._capture, None
+            joins, self._capture_joins = self._capture_joins, []
+            self._eager_forks = set()
             if self._capture_pending:
                 self._fail(Reason.GEOMETRY, min(self._capture_pending),
                            f"captured async pulls of layers {sorted(self._capture_pending)} "
                            "were never waited")
-            if copies or self._capture_release:
-                self._store_capture(copies, self._capture_release)
+            if copies or joins or self._capture_release:
+                self._store_capture(copies, joins, self._capture_release)
 
-    def _store_capture(self, copies: list[LayerCopy], release: bool) -> None:
-        rows = {c.rows for c in copies}
-        layers = sorted(c.layer for c in copies)
+    def _store_capture(self, copies: list[LayerCopy], joins: list[tuple[int, int]],
+                       release: bool) -> None:
+        rows = {c.rows for c in copies} | {r for _, r in joins}
+        layers = sorted([c.layer for c in copies] + [j for j, _ in joins])
         if len(rows) != 1 or layers != list(range(self._nflags)):
-            self._fail(Reason.GEOMETRY, copies[0].layer if copies else 0,
-                       f"captured forward copies rows {sorted(rows)} for layers {layers}; "
-                       f"every one of the {self._nflags} layers must copy the same token count")
-        rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies), release=release)
+            self._fail(Reason.GEOMETRY, layers[0] if layers else 0,
+                       f"captured forward copies or joins rows {sorted(rows)} for layers "
+                       f"{layers}; every one of the {self._nflags} layers must be consumed "
+                       "once, at the same token count")
+        rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies), release=release,
+                            joins=tuple(j for j, _ in joins))
         self.captures.setdefault(rec.rows, []).append(rec)
         self.last_capture = rec
         log_event("cuda_graph_captured", rank=self.worker.rank, rows=rec.rows,
                   bytes=sum(c.nbytes for c in copies), modes=sorted({c.mode for c in copies}),
-                  late=sum(c.late for c in copies), release_in_graph=release)
+                  late=sum(c.late for c in copies), joins=len(joins),
+                  release_in_graph=release)
 
     def replayed(self, record: CaptureRecord) -> None:
         """Declare that the graph of `record` serves the step in flight (call before replay)."""
@@ -487,9 +529,10 @@ class CudaTransport(Transport):
         eager = [i for i, p in enumerate(self._pulled) if p == step]
         if rec is None and not eager:
             # a graph replayed by an engine that does not declare it (vLLM): the capture of
-            # this token count must exist and copy exactly these rows for every layer
+            # this token count must exist and copy exactly these rows for every layer (not
+            # one that joins eager pulls: with none started, its joins would wait for no copy)
             t = self.worker.rows
-            known = [r for r in self.captures.get(t, []) if not r.release]
+            known = [r for r in self.captures.get(t, []) if not r.release and not r.joins]
             if not known:
                 self._fail(Reason.GEOMETRY, 0,
                            f"step {step} ({t} tokens) was consumed by no pull and no graph "
@@ -497,12 +540,29 @@ class CudaTransport(Transport):
             return
         unwaited = [i for i in eager if self._waited[i] != step]
         if unwaited:
-            self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of layers "
-                       f"{unwaited} were never waited before the release")
+            self._check_graph_joins(step, rec, unwaited)
         graph = [c.layer for c in rec.copies] if rec is not None else []
         if sorted(eager + graph) != list(range(self._nflags)):
             self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled eagerly {eager}, by "
                        f"graph {graph}; each of {self._nflags} must be consumed once")
+
+    def _check_graph_joins(self, step: int, rec: CaptureRecord | None,
+                           unwaited: list[int]) -> None:
+        """Async pulls of `step` that no Python join waited (piecewise: the pieces replayed
+        joined them): a graph captured for the step's token count must join exactly these
+        layers (the declared one, or, vLLM declaring none, one of that count's captures),
+        and the release waits for their copies in any case, so that it never resets a
+        flag under a copy still reading the slot."""
+        t, want = self.worker.rows, set(unwaited)
+        graphs = [rec] if rec is not None else self.captures.get(t, [])
+        if not any(set(g.joins) == want and g.rows == t for g in graphs):
+            self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of layers "
+                       f"{unwaited} were never waited before the release, and no graph "
+                       f"captured for {t} tokens joins them")
+        model = self._stream()
+        for layer in unwaited:
+            self._join(layer, model)
+            self._waited[layer] = step
 
     def close(self) -> None:
         """Registrations stay for the process (graphs hold the addresses)."""

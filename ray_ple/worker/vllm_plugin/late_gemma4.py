@@ -22,8 +22,11 @@ first layer (`ray_ple::pull_wait(out, after, slot)`: the model stream waits for 
 CPU the engine thread waits for the flag and copies, eagerly through the op's kernel itself,
 `ray_ple.worker.ops.eager_on_cpu`). `after` is that gate's matmul output,
 so that no compiler can hoist the join above the layers it is meant to overlap. Under
-piecewise CUDA graphs a fork cannot be joined in another piece, so there the join itself
-waits and copies in stream order (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
+piecewise CUDA graphs (vLLM's mode for mixed prefill batches) a fork captured in one piece
+cannot be joined in another, so this class makes `ray_ple::pull_async` one of vLLM's
+splitting ops (`split_at_pull_starts`): the starts run eagerly between the first piece and
+the layers' pieces, on every replay, and each join, captured in a later piece, waits on its
+fork as an external event (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
 whole offloaded row is joined at its first layer's gate.
 
 Resident layers (`ple.resident_layers`, `PleGeometry.resident_layers`; auto: 1 on CUDA): the
@@ -57,7 +60,8 @@ from contextlib import contextmanager
 from itertools import islice
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import CompilationConfig, VllmConfig
+from vllm.config.compilation import CompilationMode
 from vllm.forward_context import in_piecewise_cudagraph
 from vllm.model_executor.models import gemma4 as vllm_gemma4
 from vllm.model_executor.models.gemma4 import (
@@ -96,6 +100,24 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("settle", _settle, _key)
 torch.library.register_fake("ray_ple::settle", _settle, lib=_LIB)
 ops.set_piecewise_probe(in_piecewise_cudagraph)
+
+
+PULL_START_OP = "ray_ple::pull_async"
+
+
+def split_at_pull_starts(cc: CompilationConfig) -> bool:
+    """Make the part pulls' starts one of vLLM's splitting ops where its graphs are piecewise
+    (vLLM compiles, its cudagraph mode has piecewise graphs, and it splits at some ops): the
+    starts then run eagerly between pieces, so each fork is issued on every step, not
+    captured in a piece that could not join it. Added to the list vLLM resolved (attention
+    and the rest unchanged); the list is part of vLLM's compile hash, so a cache compiled
+    without the split is not reused. Full graphs capture the whole forward, the starts too."""
+    if (cc.mode != CompilationMode.VLLM_COMPILE or not cc.splitting_ops
+            or not cc.cudagraph_mode.has_piecewise_cudagraphs()):
+        return False
+    if PULL_START_OP not in cc.splitting_ops:
+        cc.splitting_ops.append(PULL_START_OP)
+    return True
 
 
 def _fingerprint(fn: Callable[..., object]) -> str:
@@ -208,15 +230,19 @@ class LateGemma4Model(Gemma4Model):
         self.resident_loaded = True
 
     def start_parts(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Every part's buffer of the step: an offloaded part's pull started (joined by
-        `combine`), the resident part looked up at once."""
+        """Every part's buffer of the step: the resident part looked up at once, then every
+        offloaded part's pull started (joined by `combine`), the starts one after another."""
         if self.resident_table is not None and not self.resident_loaded:
             # a loader that never called `load_weights` (a dummy format) left it unwritten
             raise PleModelError("the resident PLE layers' columns were never loaded")
         t, device = input_ids.shape[0], input_ids.device
-        return [self._resident_rows(input_ids) if name is None else
-                ops.start_part(name, t, elems, self.embed_tokens_per_layer.dtype, device)
+        dtype = self.embed_tokens_per_layer.dtype
+        bufs = [self._resident_rows(input_ids) if name is None else
+                torch.empty((t, elems), dtype=dtype, device=device)
                 for name, elems in zip(self.late_slot_names, self.late_slot_elems, strict=True)]
+        ops.start_parts([(name, buf) for name, buf in zip(self.late_slot_names, bufs,
+                                                          strict=True) if name is not None])
+        return bufs
 
     def _resident_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The resident layers' rows, ids mapped as vLLM's `get_per_layer_inputs` maps them
@@ -336,6 +362,7 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
             raise PleConfigError(
                 "kv_sharing_fast_prefill is not supported with ray-ple's late waits: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
+        split_at_pull_starts(vllm_config.compilation_config)  # before the compiled model
         with _model_class(LateGemma4Model):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.model
