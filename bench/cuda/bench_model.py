@@ -35,6 +35,16 @@ With `--extra resident`, also `R_sp_as`: `ple.resident_layers: 1` as the product
 (layer 0's columns in device memory, looked up before layer 0; the pair's geometry offloads
 layers 1-41 in parts of 1, 2, 4, 8, 26, so nothing is posted, gathered or copied for layer 0).
 
+With `--extra piecewise`, the same forward as vLLM's piecewise CUDA graphs run it (mixed
+prefill batches; `_pw`, all with async scheduling): one captured piece for the embedding and
+the row buffers, one per layer (vLLM splits at each attention, left out here) and one for the
+check, eager Python between them. `A_pw_as`, `B_pw_as` (table on the GPU, UVA), `L_in_pw_sp_as`
+(each part waited for and copied in its piece, on the model stream: a `pull_async` captured
+inside a piece), `L_pw_sp_as` and `R_pw_sp_as` (the starts run eagerly between the first
+piece and the layers' pieces, as the late class makes them a vLLM splitting op; each piece
+joins its part as an external event; R with layer 0 resident). The transaction is not told
+which graph replayed (vLLM does not): the release finds the capture by its token count.
+
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
 host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
 s-1 to have finished, one step of look-ahead, as vLLM waits for the sampled tokens of the
@@ -124,11 +134,19 @@ class Whole:
     def start(self, ids: torch.Tensor) -> torch.Tensor:
         return self.fetch(ids)
 
+    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        """Piecewise: what the first piece computes, and what runs eagerly after it."""
+        return self.start(ids), _nothing
+
     def layer(self, st: torch.Tensor, layer: int) -> torch.Tensor:
         return st[:, layer * D:(layer + 1) * D]
 
     def check(self, st: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return rig.wrong_words(st.view(torch.int32), ids, self.cols)
+
+
+def _nothing() -> None:
+    return None
 
 
 class Late:
@@ -141,6 +159,11 @@ class Late:
 
     def start(self, ids: torch.Tensor) -> Any:
         return self.m.pull(ids)
+
+    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        """Piecewise: the buffers in the first piece, the starts eagerly after it."""
+        buf = self.m.buffers(ids)
+        return buf, lambda: self.m.start(buf)
 
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         p, k = self.at[layer]
@@ -159,6 +182,9 @@ class Inline(Late):
 
     def start(self, ids: torch.Tensor) -> Any:
         return self.m.buffers(ids)
+
+    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        return self.start(ids), _nothing
 
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         p, k = self.at[layer]
@@ -214,6 +240,12 @@ class Resident(Late):
         self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def start(self, ids: torch.Tensor) -> Any:
+        (head, parts), start = self.start_pieces(ids)
+        start()
+        return head, parts
+
+    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        """The head's lookup and the part buffers; the parts' starts (eager, piecewise)."""
         t, m = ids.shape[0], self.m
         parts = rig.PartBuffers()
         parts.flat = torch.empty(t * (self.head_words + sum(m.widths)) * 2,
@@ -221,11 +253,10 @@ class Resident(Late):
         head = parts.flat[:t * self.head_words * 2].view(t, self.head_words * 2)
         torch.index_select(self.head, 0, ids, out=head)
         at = head.numel()
-        for (name, _, _), w in zip(m.slots, m.widths, strict=True):
+        for w in m.widths:
             parts.append(parts.flat[at:at + t * w * 2].view(t, w * 2))
             at += t * w * 2
-            torch.ops.ray_ple.pull_async(parts[-1], name)
-        return head, parts
+        return (head, parts), lambda: m.start(parts)
 
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         head, parts = buf
@@ -276,23 +307,30 @@ class Stack(torch.nn.Module):
         self.w, self.src, self.rows = w, source, rows
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w, s = self.w, self.w.shape
-        hid = (s.hidden,)
-        h = w.embed[ids % EMBED_ROWS]
+        h = self.w.embed[ids % EMBED_ROWS]
         st = self.src.start(ids)
         for layer in range(LAYERS):
-            x = F.rms_norm(h, hid, w.norm[0])
-            h = h + (x @ w.qkv[layer])[:, :s.q] @ w.o[layer]
-            x = F.rms_norm(h, hid, w.norm[1])
-            gu = x @ w.gu[layer]
-            h = h + (F.gelu(gu[:, :s.inter], approximate="tanh") * gu[:, s.inter:]) @ w.down[layer]
-            ple = self.src.layer(st, layer)
-            gate = F.gelu(h @ w.gate[layer], approximate="tanh") * ple
-            h = h + F.rms_norm(gate @ w.proj[layer], hid, w.norm[2])
+            h = self.layer(h, st, layer)
+        bad, nxt = self.end(st, ids)
+        return bad, nxt, h
+
+    def layer(self, h: torch.Tensor, st: Any, layer: int) -> torch.Tensor:
+        w, s = self.w, self.w.shape
+        hid = (s.hidden,)
+        x = F.rms_norm(h, hid, w.norm[0])
+        h = h + (x @ w.qkv[layer])[:, :s.q] @ w.o[layer]
+        x = F.rms_norm(h, hid, w.norm[1])
+        gu = x @ w.gu[layer]
+        h = h + (F.gelu(gu[:, :s.inter], approximate="tanh") * gu[:, s.inter:]) @ w.down[layer]
+        ple = self.src.layer(st, layer)
+        gate = F.gelu(h @ w.gate[layer], approximate="tanh") * ple
+        return h + F.rms_norm(gate @ w.proj[layer], hid, w.norm[2])
+
+    def end(self, st: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wrong words of the step, and the next step's ids."""
         bad = self.src.check(st, ids)
         t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
-        nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
-        return bad, nxt, h
+        return bad, ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
 
 
 class UvaRows(torch.nn.Module):
@@ -334,7 +372,8 @@ def pull_whole(ids: torch.Tensor) -> torch.Tensor:
 class Loop:
     """One forward captured in a CUDA graph (eager on CPU), stepped closed loop."""
 
-    def __init__(self, model: torch.nn.Module, ids0: torch.Tensor, pair: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, ids0: torch.Tensor, pair: Any = None,
+                 piecewise: bool = False) -> None:
         self.model, self.pair = model, pair
         self.dev = ids0.device
         self.cuda = self.dev.type == "cuda"
@@ -342,8 +381,11 @@ class Loop:
         self.host_ids = torch.empty(ids0.shape[0], dtype=torch.int64, pin_memory=self.cuda)
         self.host_ids.copy_(ids0)
         self.ids32 = ids0.to(torch.int32)  # what a stream post reads (vLLM's int32 ids)
-        self.record = None
+        self.record = self.captured = self.pieces = None
         if not self.cuda:
+            return
+        if piecewise:
+            self._capture_pieces(model, ids0)
             return
         reg = rig.registered(pair) if pair else contextlib.nullcontext()
         local = pair.local_forward() if pair else contextlib.nullcontext()
@@ -366,7 +408,45 @@ class Loop:
         self.ids.copy_(ids0)
         torch.cuda.synchronize()
 
+    def _capture_pieces(self, stack: Stack, ids0: torch.Tensor) -> None:
+        """`stack` as vLLM's piecewise graphs run it (`--extra piecewise`): the first piece
+        (embedding, row buffers), the source's eager starts, a piece per layer, a last piece
+        (check, next ids); captured as one local forward, replays declared to no one."""
+        pair, s = self.pair, {}
+
+        def head() -> None:
+            s["h"] = stack.w.embed[self.ids % EMBED_ROWS]
+            s["st"], s["start"] = stack.src.start_pieces(self.ids)
+
+        def layer(k: int) -> None:
+            s["h"] = stack.layer(s["h"], s["st"], k)
+
+        def end() -> None:
+            bad, nxt = stack.end(s["st"], self.ids)
+            self.err.add_(bad)
+            self.ids.copy_(nxt)
+            self.ids32.copy_(nxt)
+            self.host_ids.copy_(nxt, non_blocking=True)
+
+        segs = [(True, head), (False, lambda: s["start"]())]
+        segs += [(True, lambda k=k: layer(k)) for k in range(LAYERS)]
+        self.pieces = rig.Pieces([*segs, (True, end)])
+        reg = rig.registered(pair) if pair else contextlib.nullcontext()
+        local = pair.local_forward() if pair else contextlib.nullcontext()
+        with reg, local:
+            self.pieces.capture()
+        if pair is not None:
+            self.captured = pair.transport.last_capture
+        self.err.zero_()
+        self.ids.copy_(ids0)
+        self.ids32.copy_(ids0)
+        self.host_ids.copy_(ids0)
+        torch.cuda.synchronize()
+
     def _forward(self) -> None:
+        if self.pieces is not None:
+            self.pieces.replay()
+            return
         if self.cuda:
             self.graph.replay()
             return
@@ -383,7 +463,8 @@ class Loop:
         `ahead`: step s is enqueued once step s-2 has finished (async scheduling)."""
         pair, stamps, posts = self.pair, [], []
         sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
-        reg = rig.registered(pair) if (pair and not self.cuda) else contextlib.nullcontext()
+        eager_ops = not self.cuda or self.pieces is not None  # ops whose Python runs per step
+        reg = rig.registered(pair) if (pair and eager_ops) else contextlib.nullcontext()
         done: list[Any] = []
         with reg:
             for i in range(n):
@@ -406,7 +487,8 @@ class Loop:
                     t0 = time.perf_counter()
                     with pair.stream_step(self.ids32):
                         posts.append(time.perf_counter() - t0)
-                        pair.transport.replayed(self.record)
+                        if self.record is not None:
+                            pair.transport.replayed(self.record)
                         self._forward()
                     if ahead:
                         done[i].record()
@@ -550,7 +632,7 @@ class Bench:
             extra["gather_threads"] = (self.a.gather_threads_big if t > 256
                                        else self.a.gather_threads)
         t0 = time.perf_counter()
-        loop = Loop(model, ids0, pair)
+        loop = Loop(model, ids0, pair, piecewise="_pw" in variant)
         capture_s = time.perf_counter() - t0
         stamps, posts, wrong = loop.run(n + warm, launch_first, pre, stream, ahead)
         row = {"consumer": consumer, "T": t, "variant": variant, **stats(stamps, warm),
@@ -563,6 +645,9 @@ class Bench:
         if loop.record is not None:
             row["copies"] = sorted({f"{c.mode}{'-late' if c.late else ''}"
                                     for c in loop.record.copies})
+        if loop.captured is not None:  # piecewise: what the pieces copy and join
+            row["copies"] = sorted({c.mode for c in loop.captured.copies})
+            row["joins"] = len(loop.captured.joins)
         self.emit(**row)
         del loop
         if self.device.type == "cuda":
@@ -582,6 +667,22 @@ class Bench:
     def late_source(self, p: tuple[int, ...], indexed: bool = False) -> Late:
         return Late(rig.LateStandIn(self.rows, self.geos[p], ROW_ELEMS,
                                     indexed=indexed).to(self.device))
+
+    def piecewise_runs(self, t: int, srcs: dict[str, tuple[Any, Any]], main_stack: Stack,
+                       main: tuple[int, ...]) -> list[tuple[str, Stack, Any, tuple[int, ...]]]:
+        """`--extra piecewise`: A, B, the in-piece pulls, the eager starts and the resident
+        layer, each as vLLM's piecewise graphs run a mixed prefill batch."""
+        pair = self.pairs[main, t > 256]
+        inline = Stack(self.weights, Inline(self.late_source(main, indexed=True).m), self.rows)
+        runs = [(f"{name}_pw_as", Stack(self.weights, srcs[name][0], self.rows), None,
+                 (LAYERS,)) for name in ("A", "B")]
+        runs += [("L_in_pw_sp_as", inline, pair, main), ("L_pw_sp_as", main_stack, pair, main)]
+        if "resident" in self.a.extra:
+            src = Resident(rig.LateStandIn(self.rows, self.geos[RESIDENT_SPLIT], ROW_ELEMS,
+                                           indexed=True).to(self.device), self.head_gpu)
+            runs.append(("R_pw_sp_as", Stack(self.weights, src, self.rows),
+                         self.resident_pairs[t > 256], RESIDENT_SPLIT))
+        return runs
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.t_start > self.a.budget_s
@@ -678,6 +779,8 @@ class Bench:
             if "ahead" in a.extra:
                 runs += [(f"{name}_as", model, pair, sp) for name, model, pair, sp in runs
                          if name in ("A", "B", "L_sp", "L_in_sp")]
+            if "piecewise" in a.extra and self.device.type == "cuda":
+                runs += self.piecewise_runs(t, srcs, main_stack, main)
             for sp in self.splits():
                 runs.append((f"L_{split_label(sp)}", Stack(
                     self.weights, self.late_source(sp, indexed=True), self.rows),
@@ -802,11 +905,12 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
         for t in dict.fromkeys(r["T"] for r in rows):
             at = [r for r in rows if r["T"] == t]
             base = {(r["variant"], r.get("round", 0)): r["median_us"] for r in at
-                    if r["variant"] in ("A", "A_as")}
+                    if r["variant"] in ("A", "A_as", "A_pw_as")}
             cells = []
             for v in dict.fromkeys(r["variant"] for r in at):
                 rs = [r for r in at if r["variant"] == v]
-                a = "A_as" if v.endswith("_as") or v.startswith("L_sp_as_") else "A"
+                a = ("A_pw_as" if "_pw" in v else
+                     "A_as" if v.endswith("_as") or v.startswith("L_sp_as_") else "A")
                 added = [r["median_us"] - base.get((a, r.get("round", 0)), 0.0) for r in rs]
                 posts = [r["host_post_us"] for r in rs if "host_post_us" in r]
                 cell = (f"{v}={np.median([r['median_us'] for r in rs]):.1f}"
@@ -850,7 +954,9 @@ def main() -> None:
     ap.add_argument("--gather-threads", type=int, default=1, help="offload, T <= 256")
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
-    ap.add_argument("--extra", default="", help="comma list: inline (L_in, L_in_sp), ahead "
+    ap.add_argument("--extra", default="", help="comma list: piecewise (A_pw_as, B_pw_as, "
+                    "L_in_pw_sp_as, L_pw_sp_as, R_pw_sp_as with resident: vLLM's piecewise "
+                    "graphs), inline (L_in, L_in_sp), ahead "
                     "(A_as, B_as, L_sp_as, L_in_sp_as: async "
                     "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path), "

@@ -227,9 +227,13 @@ class LateStandIn(torch.nn.Module):
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
         buf = self.buffers(ids)
+        self.start(buf)
+        return buf
+
+    def start(self, buf: torch.Tensor | PartBuffers) -> None:
+        """Every part's `pull_async` into its buffer, one after another."""
         for (name, _, _), view in zip(self.slots, buf, strict=True):
             torch.ops.ray_ple.pull_async(view, name)
-        return buf
 
     def buffers(self, ids: torch.Tensor) -> torch.Tensor | PartBuffers:
         """Every part's `[T, width]` buffer (one tensor, or views of one flat buffer)."""
@@ -429,7 +433,7 @@ class Pieces:
                     self.run_list.append(fn)
                     continue
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=torch.cuda.current_stream()):
+                with torch.cuda.graph(g, pool=pool):
                     fn()
                 self.run_list.append(g.replay)
 
@@ -474,8 +478,7 @@ class PiecewiseLate:
         self.acc = (self.ids % 7).float()
 
     def _start(self) -> None:
-        for (name, _, _), view in zip(self.model.slots, self.buf, strict=True):
-            torch.ops.ray_ple.pull_async(view, name)
+        self.model.start(self.buf)
 
     def _part(self, p: int) -> None:
         if p != self.skip:
