@@ -219,8 +219,14 @@ class CudaTransport(Transport):
         flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fork = check(d.cuEventCreate(flags), "cuEventCreate(fork)")
         self._post_fork = check(d.cuEventCreate(flags), "cuEventCreate(post fork)")
+        # done[layer] of forks captured into a graph, and of forks issued eagerly (a step's
+        # eager pull, a piecewise start): an event last recorded inside a capture cannot be
+        # waited on by another capture (CUDA_ERROR_INVALID_VALUE, seen on the H200), so the
+        # external joins of piecewise pieces wait on events only ever recorded eagerly
         self._done = [check(d.cuEventCreate(flags), "cuEventCreate(done)")
                       for _ in range(self._nflags)]
+        self._done_eager = [check(d.cuEventCreate(flags), "cuEventCreate(done, eager)")
+                            for _ in range(self._nflags)]
         # per-step bookkeeping (host side, checked before every release)
         self._pulled: list[int] = [-1] * self._nflags
         self._waited: list[int] = [-1] * self._nflags
@@ -312,15 +318,19 @@ class CudaTransport(Transport):
         check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
         check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
         mode = self._enqueue(layer, out, nbytes, side, self.options.late_copy_blocks, late=True)
-        check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
+        done = self._done if torch.cuda.is_current_stream_capturing() else self._done_eager
+        check(d.cuEventRecord(done[layer], side), "cuEventRecord(done)")
         return mode
 
-    def _join(self, layer: int, model: int, external: bool = False) -> None:
-        """`model` waits for done[layer]; `external` in a capture whose graph did not
-        capture the fork (an event wait node, resolved at each launch)."""
+    def _join(self, layer: int, model: int, *, fork_captured: bool = False,
+              external: bool = False) -> None:
+        """`model` waits for done[layer] of a fork captured in this graph, or of an eager
+        one; `external` in a capture that did not capture the fork (an event wait node that
+        waits, at each launch, for the record made before it)."""
         d = driver()
         flags = d.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL if external else 0
-        check(d.cuStreamWaitEvent(model, self._done[layer], flags), "cuStreamWaitEvent(done)")
+        done = self._done if fork_captured else self._done_eager
+        check(d.cuStreamWaitEvent(model, done[layer], flags), "cuStreamWaitEvent(done)")
 
     def _geometry(self, layer: int, out: torch.Tensor) -> int:
         """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
@@ -431,7 +441,7 @@ class CudaTransport(Transport):
             self._fail(Reason.INVARIANT, layer, "captured wait for a layer whose async pull "
                        "this forward did not start, or waited twice")
         if layer in self._capture_pending:
-            self._join(layer, self._stream())
+            self._join(layer, self._stream(), fork_captured=True)
             self._capture_pending.discard(layer)
             return
         self._check_local_capture(layer)
