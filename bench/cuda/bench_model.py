@@ -460,8 +460,11 @@ class Loop:
         """n closed-loop steps; per-step wall stamps, host post times, wrong words. `pre`:
         launch only once the host sees every part published (the GPU never waits a flag);
         `stream`: the stream posts (host post time: the announcement and the enqueue);
-        `ahead`: step s is enqueued once step s-2 has finished (async scheduling)."""
+        `ahead`: step s is enqueued once step s-2 has finished (async scheduling); the
+        host's time to enqueue each such step is kept in `self.enqueue_s` (a step whose host
+        work is longer than its GPU work is paced by the host)."""
         pair, stamps, posts = self.pair, [], []
+        self.enqueue_s: list[float] = []
         sync = torch.cuda.current_stream().synchronize if self.cuda else (lambda: None)
         eager_ops = not self.cuda or self.pieces is not None  # ops whose Python runs per step
         reg = rig.registered(pair) if (pair and eager_ops) else contextlib.nullcontext()
@@ -478,6 +481,7 @@ class Loop:
                 if ahead and not stream:
                     self._forward()
                     done[i].record()
+                    self.enqueue_s.append(time.perf_counter() - stamps[i])
                     continue
                 host = self.host_ids.numpy()
                 if pair is None:
@@ -492,6 +496,7 @@ class Loop:
                         self._forward()
                     if ahead:
                         done[i].record()
+                        self.enqueue_s.append(time.perf_counter() - stamps[i])
                     continue
                 if launch_first:
                     self._forward()
@@ -639,6 +644,8 @@ class Bench:
                "wrong_words": wrong, "capture_s": round(capture_s, 2), **extra}
         if posts:
             row["host_post_us"] = round(float(np.median(posts[warm:])) * 1e6, 2)
+        if loop.enqueue_s:
+            row["host_enqueue_us"] = round(float(np.median(loop.enqueue_s[warm:])) * 1e6, 2)
         if pre:  # the step less its host wait for every part: what the GPU side costs
             row["less_host_us"] = round(float(np.median(
                 np.diff(np.asarray(stamps))[warm:] - np.asarray(posts[warm:]))) * 1e6, 2)
