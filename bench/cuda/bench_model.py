@@ -42,7 +42,8 @@ check, eager Python between them. `A_pw_as`, `B_pw_as` (table on the GPU, UVA), 
 (each part waited for and copied in its piece, on the model stream: a `pull_async` captured
 inside a piece), `L_pw_sp_as` and `R_pw_sp_as` (the starts run eagerly between the first
 piece and the layers' pieces, as the late class makes them a vLLM splitting op; each piece
-joins its part as an external event; R with layer 0 resident). The transaction is not told
+joins its part as an external event; R with layer 0 resident), `L_pwj_sp_as` (the joins
+eager too, each a segment of its own: no external event node in a graph). The transaction is not told
 which graph replayed (vLLM does not): the release finds the capture by its token count.
 
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
@@ -191,6 +192,21 @@ class Inline(Late):
         if k == 0:
             torch.ops.ray_ple.pull(buf[p], self.m.slots[p][0])
         return buf[p][:, k * D:(k + 1) * D]
+
+
+class LateEagerJoins(Late):
+    """L_pwj (`--extra piecewise`): L_pw with each part's join an eager segment of its own,
+    just before the piece of its first layer (`pull_wait` a splitting op too): a plain event
+    wait issued by the host between pieces, no external event node in any graph."""
+
+    def layer(self, buf: Any, layer: int) -> torch.Tensor:
+        p, k = self.at[layer]
+        return buf[p][:, k * D:(k + 1) * D]
+
+    def join_before(self, layer: int) -> int | None:
+        """The part whose join runs eagerly before `layer`'s piece, if any."""
+        p, k = self.at[layer]
+        return p if k == 0 else None
 
 
 class HeadLate(Late):
@@ -429,7 +445,11 @@ class Loop:
             self.host_ids.copy_(nxt, non_blocking=True)
 
         segs = [(True, head), (False, lambda: s["start"]())]
-        segs += [(True, lambda k=k: layer(k)) for k in range(LAYERS)]
+        join_before = getattr(stack.src, "join_before", lambda _: None)
+        for k in range(LAYERS):
+            if (p := join_before(k)) is not None:
+                segs.append((False, lambda p=p: stack.src.m.wait(s["st"], p)))
+            segs.append((True, lambda k=k: layer(k)))
         self.pieces = rig.Pieces([*segs, (True, end)])
         reg = rig.registered(pair) if pair else contextlib.nullcontext()
         local = pair.local_forward() if pair else contextlib.nullcontext()
@@ -683,7 +703,9 @@ class Bench:
         inline = Stack(self.weights, Inline(self.late_source(main, indexed=True).m), self.rows)
         runs = [(f"{name}_pw_as", Stack(self.weights, srcs[name][0], self.rows), None,
                  (LAYERS,)) for name in ("A", "B")]
-        runs += [("L_in_pw_sp_as", inline, pair, main), ("L_pw_sp_as", main_stack, pair, main)]
+        eager_joins = Stack(self.weights, LateEagerJoins(self.late_source(main).m), self.rows)
+        runs += [("L_in_pw_sp_as", inline, pair, main), ("L_pw_sp_as", main_stack, pair, main),
+                 ("L_pwj_sp_as", eager_joins, pair, main)]
         if "resident" in self.a.extra:
             src = Resident(rig.LateStandIn(self.rows, self.geos[RESIDENT_SPLIT], ROW_ELEMS,
                                            indexed=True).to(self.device), self.head_gpu)
