@@ -43,8 +43,9 @@ check, eager Python between them. `A_pw_as`, `B_pw_as` (table on the GPU, UVA), 
 inside a piece), `L_pw_sp_as` and `R_pw_sp_as` (the starts run eagerly between the first
 piece and the layers' pieces, as the late class makes them a vLLM splitting op; each piece
 joins its part as an external event; R with layer 0 resident), `L_pwj_sp_as` (the joins
-eager too, each a segment of its own: no external event node in a graph). The transaction is not told
-which graph replayed (vLLM does not): the release finds the capture by its token count.
+eager too, each a segment of its own: no external event node in a graph). The transaction
+is not told which graph replayed (vLLM does not): the release finds the capture by its token
+count.
 
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
 host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
