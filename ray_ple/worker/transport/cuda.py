@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError, PleEnvironmentError
@@ -109,6 +109,7 @@ if TYPE_CHECKING:
 COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
 LATE_BLOCKS_ENV = "RAY_PLE_CUDA_LATE_COPY_BLOCKS"
 LATE_SM_MAX_ENV = "RAY_PLE_CUDA_LATE_SM_COPY_MAX_BYTES"
+PIECEWISE_STARTS_ENV = "RAY_PLE_CUDA_PIECEWISE_STARTS"
 # the reason a stamp mismatch writes (a dedicated one once the protocol names it)
 STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
 
@@ -125,13 +126,24 @@ class CudaOptions(Frozen):
                                    "it takes none (bench/cuda/README.md, late-run12): 0")
     late_copy_blocks: int = Field(0, ge=0, description="most blocks of a late pull's SM copy "
                                   "(late_sm_max_bytes > 0 or copy_mode sm); 0: up to 8 per SM")
+    piecewise_starts: Literal["in_piece", "eager"] = Field(
+        "in_piece", description="vLLM's piecewise graphs: each part waited for and copied in "
+        "the piece of its first layer (in_piece), or the starts made a vLLM splitting op, "
+        "forked eagerly between the pieces and joined as external events (eager: slower in "
+        "the stand-in by 0.2-1 ms a step, bench/cuda/README.md, late-run20; a trial setting)")
 
     @classmethod
     def from_env(cls) -> CudaOptions:
         raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV),
                "late_copy_blocks": os.environ.get(LATE_BLOCKS_ENV),
-               "late_sm_max_bytes": os.environ.get(LATE_SM_MAX_ENV)}
-        return cls.model_validate({k: v for k, v in raw.items() if v is not None})
+               "late_sm_max_bytes": os.environ.get(LATE_SM_MAX_ENV),
+               "piecewise_starts": os.environ.get(PIECEWISE_STARTS_ENV)}
+        try:
+            return cls.model_validate({k: v for k, v in raw.items() if v is not None})
+        except ValidationError as exc:
+            bad = ", ".join(str(e["loc"][0]) for e in exc.errors())
+            raise PleConfigError(f"RAY_PLE_CUDA_* environment: bad {bad}: "
+                                 f"{exc.errors()[0]['msg']}") from None
 
 
 class LayerCopy(Frozen):

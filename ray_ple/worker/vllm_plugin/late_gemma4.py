@@ -23,10 +23,12 @@ CPU the engine thread waits for the flag and copies, eagerly through the op's ke
 `ray_ple.worker.ops.eager_on_cpu`). `after` is that gate's matmul output,
 so that no compiler can hoist the join above the layers it is meant to overlap. Under
 piecewise CUDA graphs (vLLM's mode for mixed prefill batches) a fork captured in one piece
-cannot be joined in another, so this class makes `ray_ple::pull_async` one of vLLM's
-splitting ops (`split_at_pull_starts`): the starts run eagerly between the first piece and
-the layers' pieces, on every replay, and each join, captured in a later piece, waits on its
-fork as an external event (`ray_ple.worker.ops`). With one part (`ple.parts: 1`) the
+cannot be joined in another, so there each part is waited for and copied in the piece of
+its first layer (`ray_ple.worker.ops`). As a trial (`RAY_PLE_CUDA_PIECEWISE_STARTS=eager`,
+measured slower in the CUDA stand-in), this class makes `ray_ple::pull_async` one of vLLM's
+splitting ops instead (`split_at_pull_starts`): the starts run eagerly between the first
+piece and the layers' pieces, on every replay, and each join, captured in a later piece,
+waits on its fork as an external event. With one part (`ple.parts: 1`) the
 whole offloaded row is joined at its first layer's gate.
 
 Resident layers (`ple.resident_layers`, `PleGeometry.resident_layers`; auto: 1 on CUDA): the
@@ -74,6 +76,7 @@ from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
+from ray_ple.worker.transport.cuda import CudaOptions
 from ray_ple.worker.vllm_plugin.gemma4 import PLE_WEIGHT, RayPleGemma4ForCausalLM
 
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor), as vLLM loads them
@@ -362,7 +365,8 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
             raise PleConfigError(
                 "kv_sharing_fast_prefill is not supported with ray-ple's late waits: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
-        split_at_pull_starts(vllm_config.compilation_config)  # before the compiled model
+        if CudaOptions.from_env().piecewise_starts == "eager":  # before the compiled model
+            split_at_pull_starts(vllm_config.compilation_config)
         with _model_class(LateGemma4Model):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.model
