@@ -29,13 +29,13 @@ kernel is pure cost on a millisecond CPU forward. On CUDA, and whenever Dynamo t
 ops are called.
 
 Piecewise CUDA graphs (vLLM's mode for mixed prefill batches) capture the forward in
-pieces, and a fork captured in one piece cannot be joined in another. The model class makes
-`pull_async` one of vLLM's splitting ops, so that it runs eagerly between the pieces (on
-every replay too) and forks there; the join, captured in a later piece, waits on the fork's
-event as an external one (`ray_ple.worker.transport.cuda`). Should a `pull_async` still be
-captured inside a piece (asked of the probe the model class installs, `set_piecewise_probe`),
-it starts nothing, and `pull_wait`, finding no started pull, waits for and copies the part
-in stream order where it is needed.
+pieces, and a fork captured in one piece cannot be joined in another. So a `pull_async`
+captured inside a piece (asked of the probe the model class installs, `set_piecewise_probe`)
+starts nothing, and `pull_wait`, finding no started pull, waits for and copies the part in
+stream order where it is needed (the default). As a trial (`CudaOptions.piecewise_starts`),
+the model class makes `pull_async` one of vLLM's splitting ops instead: it then runs
+eagerly between the pieces, on every replay, and forks there, and the join captured in a
+later piece waits on the fork's event as an external one (`ray_ple.worker.transport.cuda`).
 """
 
 from __future__ import annotations

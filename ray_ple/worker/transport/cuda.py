@@ -31,7 +31,8 @@ group of consecutive model layers) arrives while the earlier layers run::
                              release, which stays on the model stream and the only reset
 
 Both are graph-capturable (a fork and a join of the capturing stream). Under vLLM's piecewise
-graphs a fork cannot be captured in one piece and joined in another, so there `pull_async`
+graphs a fork cannot be captured in one piece and joined in another: there a part is
+pulled in stream order in its piece, or (a trial: `piecewise_starts: eager`) `pull_async`
 runs eagerly between the pieces (the model class makes it one of vLLM's splitting ops) and
 the join captured inside a later piece waits on done[layer] as an external event
 (`CU_EVENT_WAIT_EXTERNAL`: a graph node that waits for the event's latest record when the
