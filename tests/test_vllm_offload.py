@@ -131,11 +131,12 @@ def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocab
 
 
 @pytest.mark.parametrize(("mode", "split"), [("FULL_AND_PIECEWISE", True), ("PIECEWISE", True),
-                                             ("FULL", False), ("FULL_DECODE_ONLY", False),
+                                             ("FULL", True), ("FULL_DECODE_ONLY", True),
                                              ("NONE", False)])
 def test_part_pull_starts_are_one_eager_segment_of_vllms_piecewise_graphs(mode: str,
                                                                           split: bool):
-    """Where vLLM's graphs are piecewise, the late class adds `ray_ple::pull_async` to the
+    """Wherever vLLM's graphs may be piecewise (any mode that captures: the runner may turn
+    FULL into FULL_AND_PIECEWISE later), the trial setting adds `ray_ple::pull_async` to the
     splitting ops vLLM resolved (once); vLLM's own `split_graph` then puts every part's
     start, as `start_parts` traces them (buffers first, starts after), into one eager
     segment between the first piece and the layers' pieces."""

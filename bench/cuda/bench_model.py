@@ -454,6 +454,8 @@ class Loop:
         self.pieces = rig.Pieces([*segs, (True, end)])
         reg = rig.registered(pair) if pair else contextlib.nullcontext()
         local = pair.local_forward() if pair else contextlib.nullcontext()
+        if pair is not None:  # a capture that copies and joins nothing (L_pwj) stores none
+            pair.transport.last_capture = None
         with reg, local:
             self.pieces.capture()
         if pair is not None:

@@ -77,7 +77,10 @@ def _pull_async(out: torch.Tensor, layer_name: str) -> None:
 
 def _pull_wait(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
     pair, index = worker_pair.resolve(layer_name)
-    pair.pull_wait(index, out)
+    if _piecewise() and not pair.transport.started(index):
+        pair.pull(index, out)  # its start was captured in a piece and started nothing
+    else:  # a join of no started pull is fatal here (the transport's checks)
+        pair.pull_wait(index, out)
 
 
 def _pull_wait_fake(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:

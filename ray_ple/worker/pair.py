@@ -155,10 +155,6 @@ class WorkerPair:
                       self.transport.satisfy_locally_async)
 
     def pull_wait(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
-        """Join `layer`'s started pull, or, if none was started, pull it now."""
-        if not self.transport.started(layer):
-            self.pull(layer, out)
-            return
         self._consume(layer, out, self.transport.pull_wait, self.transport.satisfy_wait_locally)
 
     def _consume(self, layer: int, out, in_step, in_local) -> None:  # noqa: ANN001

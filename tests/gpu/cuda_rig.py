@@ -646,7 +646,9 @@ def piecewise_scenario(work: Path, fault: str) -> None:
     """Piecewise graphs that must end the process: `unjoined`, a capture whose pieces never
     join part 2's eager pull (refused when the capture ends); `unstarted`, a step that
     replays the pieces without running the eager `pull_async`s (its joins would wait for no
-    copy: refused before the release)."""
+    copy: refused before the release, as no capture for its token count pulls without
+    joins; with a full graph of that count captured too, the release could not tell which
+    ran, but vLLM runs the splitting ops of every piecewise replay)."""
     import ray_ple.worker.ops  # noqa: F401
 
     geo = geometry(4096, max_tokens=64, parts=(7, 7, 7, 7, 7))

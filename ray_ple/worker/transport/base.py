@@ -49,9 +49,9 @@ class Transport(ABC):
         synchronous transport (CPU) starts nothing: its join waits and copies."""
 
     def started(self, layer: int) -> bool:
-        """Has this forward started `layer`'s pull (`pull_async`) and not yet joined it? A
-        join of a pull never started (a synchronous transport, or a fork that could not be
-        captured where the join is) pulls in consumer order instead."""
+        """Has this forward started `layer`'s pull (`pull_async`) and not yet joined it?
+        Under piecewise graphs a join of a pull never started (a start captured in a piece)
+        pulls in consumer order instead (`ray_ple.worker.ops`)."""
         return False
 
     def pull_wait(self, layer: int, out: torch.Tensor) -> None:

@@ -116,7 +116,9 @@ STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
 
 
 class CudaOptions(Frozen):
-    """How rows are copied; read from the worker's environment (not part of any graph key)."""
+    """How rows are copied; read from the worker's environment. Only `piecewise_starts`
+    changes what vLLM compiles (its splitting ops, so its compile hash); the rest are
+    baked into graphs at capture."""
 
     copy_mode: Literal["auto", "dma", "sm"] = "auto"
     sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
@@ -256,7 +258,8 @@ class CudaTransport(Transport):
                   segment_bytes=seg.size, register_s=round(self.registration.seconds, 4),
                   device_ptr_equals_host=base == host, copy=self.options.copy_mode,
                   sm_max_bytes=self.options.sm_max_bytes,
-                  late_sm_max_bytes=self.options.late_sm_max_bytes)
+                  late_sm_max_bytes=self.options.late_sm_max_bytes,
+                  piecewise_starts=self.options.piecewise_starts)
 
     # setup ------------------------------------------------------------------------------
     def _probe(self) -> None:
@@ -527,6 +530,11 @@ class CudaTransport(Transport):
                   bytes=sum(c.nbytes for c in copies), modes=sorted({c.mode for c in copies}),
                   late=sum(c.late for c in copies), joins=len(joins),
                   release_in_graph=release)
+        if (self.options.piecewise_starts == "eager" and copies and not joins
+                and not any(c.late for c in copies)):
+            log_event("piecewise_starts_not_applied", rank=self.worker.rank, rows=rec.rows,
+                      detail="RAY_PLE_CUDA_PIECEWISE_STARTS=eager, yet this capture pulls in "
+                      "stream order: its starts were captured inside a piece")
 
     def replayed(self, record: CaptureRecord) -> None:
         """Declare that the graph of `record` serves the step in flight (call before replay)."""

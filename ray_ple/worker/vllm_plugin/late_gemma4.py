@@ -63,7 +63,7 @@ from itertools import islice
 
 import torch
 from vllm.config import CompilationConfig, VllmConfig
-from vllm.config.compilation import CompilationMode
+from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.forward_context import in_piecewise_cudagraph
 from vllm.model_executor.models import gemma4 as vllm_gemma4
 from vllm.model_executor.models.gemma4 import (
@@ -73,6 +73,7 @@ from vllm.model_executor.models.gemma4 import (
 )
 
 from ray_ple.errors import PleConfigError, PleModelError
+from ray_ple.log import log_event
 from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
@@ -109,14 +110,16 @@ PULL_START_OP = "ray_ple::pull_async"
 
 
 def split_at_pull_starts(cc: CompilationConfig) -> bool:
-    """Make the part pulls' starts one of vLLM's splitting ops where its graphs are piecewise
-    (vLLM compiles, its cudagraph mode has piecewise graphs, and it splits at some ops): the
-    starts then run eagerly between pieces, so each fork is issued on every step, not
-    captured in a piece that could not join it. Added to the list vLLM resolved (attention
-    and the rest unchanged); the list is part of vLLM's compile hash, so a cache compiled
-    without the split is not reused. Full graphs capture the whole forward, the starts too."""
+    """Make the part pulls' starts one of vLLM's splitting ops wherever its graphs may be
+    piecewise (vLLM compiles, captures graphs, and splits at some ops): the starts then run
+    eagerly between pieces, so each fork is issued on every step, not captured in a piece
+    that could not join it. `FULL` counts: the runner may still turn it into
+    `FULL_AND_PIECEWISE` for an attention backend without full graphs of mixed batches, after
+    the model is built; full graphs capture the whole forward, the starts too. Added to the
+    list vLLM resolved (attention and the rest unchanged); the list is part of vLLM's
+    compile hash, so a cache compiled without the split is not reused."""
     if (cc.mode != CompilationMode.VLLM_COMPILE or not cc.splitting_ops
-            or not cc.cudagraph_mode.has_piecewise_cudagraphs()):
+            or cc.cudagraph_mode == CUDAGraphMode.NONE):
         return False
     if PULL_START_OP not in cc.splitting_ops:
         cc.splitting_ops.append(PULL_START_OP)
@@ -366,7 +369,9 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
                 "kv_sharing_fast_prefill is not supported with ray-ple's late waits: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
         if CudaOptions.from_env().piecewise_starts == "eager":  # before the compiled model
-            split_at_pull_starts(vllm_config.compilation_config)
+            cc = vllm_config.compilation_config
+            log_event("piecewise_starts", split=split_at_pull_starts(cc),
+                      cudagraph_mode=str(cc.cudagraph_mode), splitting_ops=cc.splitting_ops)
         with _model_class(LateGemma4Model):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.model
