@@ -133,7 +133,7 @@ class CudaOptions(Frozen):
         "in_piece", description="vLLM's piecewise graphs: each part waited for and copied in "
         "the piece of its first layer (in_piece), or the starts made a vLLM splitting op, "
         "forked eagerly between the pieces and joined as external events (eager: slower in "
-        "the stand-in by 0.2-1 ms a step, bench/cuda/README.md, late-run20; a trial setting)")
+        "the stand-in by 0.1-0.8 ms a step, bench/cuda/README.md, late-run20; a trial setting)")
 
     @classmethod
     def from_env(cls) -> CudaOptions:

@@ -368,7 +368,9 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
             raise PleConfigError(
                 "kv_sharing_fast_prefill is not supported with ray-ple's late waits: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
-        if CudaOptions.from_env().piecewise_starts == "eager":  # before the compiled model
+        settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
+        if (settings.transport == "cuda"  # before the compiled model is built
+                and CudaOptions.from_env().piecewise_starts == "eager"):
             cc = vllm_config.compilation_config
             log_event("piecewise_starts", split=split_at_pull_starts(cc),
                       cudagraph_mode=str(cc.cudagraph_mode), splitting_ops=cc.splitting_ops)
@@ -377,7 +379,6 @@ class LateRayPleGemma4ForCausalLM(RayPleGemma4ForCausalLM):
         model = self.model
         if not isinstance(model, LateGemma4Model):
             raise PleModelError(f"expected LateGemma4Model, vLLM built {type(model).__name__}")
-        settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
         (table,) = settings.geometry.layers
         model.set_parts(settings.geometry.slots_of(table.layer_name),
                         settings.geometry.resident_layers)
