@@ -987,8 +987,8 @@ def main() -> None:
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--extra", default="", help="comma list: piecewise (A_pw_as, B_pw_as, "
-                    "L_in_pw_sp_as, L_pw_sp_as, R_pw_sp_as with resident: vLLM's piecewise "
-                    "graphs), inline (L_in, L_in_sp), ahead "
+                    "L_in_pw_sp_as, L_pw_sp_as, L_pwj_sp_as, R_pw_sp_as with resident: "
+                    "vLLM's piecewise graphs), inline (L_in, L_in_sp), ahead "
                     "(A_as, B_as, L_sp_as, L_in_sp_as: async "
                     "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path), "

@@ -445,13 +445,14 @@ class Pieces:
 
 class PiecewiseLate:
     """`LateStandIn` under piecewise graphs with `ray_ple::pull_async` a splitting op (what
-    the late Gemma 4 class asks of vLLM): piece 0 allocates the part buffers; every part's
-    `pull_async` runs eagerly after it (a fork on the side stream, on every replay); one
-    captured piece per part joins it (an external event wait) and reads it; a last piece
-    checks every word and closes the loop. Captured as one local forward; replays are not
-    declared (`replayed`), as vLLM declares none: the release finds the capture by its
-    token count and the layers it joins. `skip_join`: the piece of that part does not join
-    it (what a capture missing a join must be refused for)."""
+    the late Gemma 4 class asks of vLLM under `RAY_PLE_CUDA_PIECEWISE_STARTS=eager`): piece 0
+    allocates the part buffers; every part's `pull_async` runs eagerly after it (a fork on
+    the side stream, on every replay); one captured piece per part joins it (an external
+    event wait) and reads it; a last piece checks every word and closes the loop. Captured
+    as one local forward; replays are not declared (`replayed`), as vLLM declares none: the
+    release finds the capture by its token count and the layers it joins. `skip_join`: the
+    piece of that part does not join it (what a capture missing a join must be refused
+    for)."""
 
     def __init__(self, engine: Engine, skip_join: int | None = None) -> None:
         e, m = engine, engine.model
