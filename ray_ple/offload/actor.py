@@ -134,9 +134,10 @@ class OffloadActor:
         while not self._stop.is_set():
             now = time.monotonic_ns()
             b.beat(Side.OFFLOAD, now)
-            if b.state is State.CLOSED:
+            state = b.state
+            if state is State.CLOSED:
                 return
-            if b.state is State.READY and not placed:
+            if state is State.READY and not placed:
                 placed = True
                 self._keep_off_worker_cores()
             end.watch(now)
@@ -146,7 +147,9 @@ class OffloadActor:
                 if faults.ACTIVE:
                     gather = faults.before_gather(end.rank, b, b.ids[:b.token_count], gather)
                 end.publish(step, gather, cut)
-                continue
+                # no second turn before the doorbell: nothing can be posted before this
+                # step's release, and the sleep reads `announced` after its fence. The
+                # watch above runs again at the wake-up (a ring, or a heartbeat's poll later)
             if b.announced != end.last:  # the GPU stream posts it: spin, never sleep
                 end.await_post()
                 continue

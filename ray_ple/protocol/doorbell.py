@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 from ray_ple.protocol.peers import CRED_SPACE, bind_own, datagram_uid
+
+_TIMEVAL = struct.Struct("ll")  # struct timeval: seconds, microseconds
 
 
 def bell_address(token: str) -> bytes:
@@ -29,32 +32,40 @@ class DoorbellListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         bind_own(self._sock, bell_address(token), "the offload actor's doorbell")
+        self._timeout_s: float | None = None  # the receive timeout set on the socket
 
     def _ours(self) -> bool:
         """Take one datagram; True if our own user sent it (no credentials: not ours)."""
         _, ancdata, _, _ = self._sock.recvmsg(16, CRED_SPACE)
         return datagram_uid(ancdata) == self._uid
 
+    def _set_timeout(self, timeout_s: float) -> None:
+        """The kernel's own receive timeout (`SO_RCVTIMEO`): a blocking `recvmsg` returns at
+        a ring or at the timeout in one system call, where Python's socket timeout polls
+        first and needs the timeout set again on every wait."""
+        if timeout_s != self._timeout_s:
+            usec = max(1, round(timeout_s * 1e6))
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                  _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000))
+            self._timeout_s = timeout_s
+
     def wait(self, timeout_s: float) -> bool:
-        """Block until a ring of our user or the timeout; drain queued rings. True if rung."""
+        """Block until a ring of our user or the timeout. True if rung.
+
+        Queued rings are not drained: one left over wakes a later wait early, which the
+        offload side takes as spurious (the counters are the truth)."""
         deadline = time.monotonic() + timeout_s
-        rung = False
-        while not rung:
-            left = deadline - time.monotonic()
+        self._set_timeout(timeout_s)
+        while True:
+            try:
+                if self._ours():
+                    return True
+            except BlockingIOError:  # the timeout, as the kernel reports it
+                return False
+            left = deadline - time.monotonic()  # another user's datagram: wait out the rest
             if left <= 0:
                 return False
-            self._sock.settimeout(left)
-            try:
-                rung = self._ours()
-            except TimeoutError:
-                return False
-        self._sock.setblocking(False)
-        try:
-            while True:
-                self._ours()
-        except BlockingIOError:
-            pass
-        return True
+            self._set_timeout(left)
 
     def close(self) -> None:
         self._sock.close()
