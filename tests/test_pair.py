@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 import pytest
 
+from ray_ple.protocol.doorbell import Doorbell, DoorbellListener
 from ray_ple.protocol.fatal import EXIT_CODE, Reason
 from ray_ple.protocol.geometry import PleGeometry
 from ray_ple.protocol.handles import PairHandle
@@ -231,3 +233,28 @@ def test_a_spinning_offload_side_serves_back_to_back_steps_then_sleeps(ckpt, tmp
     wproc.join(10)
     off.join(10)
     assert ple_shm_entries() == []
+
+
+def test_doorbell_wait_returns_at_a_ring_or_at_its_timeout_never_later():
+    """The kernel's receive timeout bounds each wait (the offload side beats between
+    waits), whatever timeout came before; a ring wakes it; a ring left queued only wakes a
+    later wait early (the offload side then finds nothing new and sleeps again)."""
+    token = os.urandom(16).hex()
+    listener, bell = DoorbellListener(token), Doorbell(token)
+    try:
+        for timeout in (0.3, 0.05, 0.3):
+            t0 = time.monotonic()
+            assert listener.wait(timeout) is False
+            took = time.monotonic() - t0
+            assert timeout * 0.9 <= took < timeout + 2, (timeout, took)
+        bell.ring()
+        t0 = time.monotonic()
+        assert listener.wait(30) is True and time.monotonic() - t0 < 5
+        bell.ring()
+        bell.ring()
+        assert listener.wait(0.3) is True  # the first of the two
+        assert listener.wait(0.3) is True  # the one left queued: an early, spurious wake
+        assert listener.wait(0.1) is False
+    finally:
+        bell.close()
+        listener.close()
