@@ -571,8 +571,11 @@ def addresses_in(directory: Path, addresses: dict[str, int]) -> list[str]:
     return sorted(found)
 
 
-def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int) -> dict[str, Any]:
-    """`save`: compile + save + run; `load`: new process, new segment, load + run."""
+def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int,
+                     parts: tuple[int, ...] = ()) -> dict[str, Any]:
+    """`save`: compile + save + run; `load`: new process, new segment, load + run. With
+    `parts`, the late pull (`LateStandIn`: every part's `pull_async`, then each
+    `pull_wait`), whose ops name a slot (`LAYER#p`) where the single pull names the table."""
     import mmap
     import secrets
 
@@ -581,11 +584,11 @@ def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int) -> di
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     spacer = mmap.mmap(-1, (1 + secrets.randbelow(4096)) * mmap.PAGESIZE)  # shift the layout
-    geo = geometry(rows, max_tokens=max(t, 16))
+    geo = geometry(rows, max_tokens=max(t, 16), parts=parts)
     off = OffloadProcess(work / "ckpt", geo, spin_us=1000 if cuda else 0)
     try:
         pair = attach(off.handle, geo, "cuda" if cuda else "cpu")
-        model = StandIn(rows).to(device)
+        model = (LateStandIn(rows, geo) if parts else StandIn(rows)).to(device)
         artifact = work / "artifact"
         ids = torch.from_numpy(first_ids(t, rows)).to(device)
         result: dict[str, Any] = {"role": role, "pid": os.getpid(), "device": str(device)}
@@ -740,6 +743,8 @@ if __name__ == "__main__":
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--parts", default="", help="compile-*: layers per part, e.g. 7,14,14 "
+                    "(the late pull); none: one pull of the whole row")
     a = ap.parse_args()
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
@@ -751,5 +756,6 @@ if __name__ == "__main__":
         stream_post_twice_scenario(a.work)
     if a.scenario.startswith("stamp-"):
         stamp_mismatch_scenario(a.work, late=a.scenario == "stamp-late")
-    res = compile_scenario(a.scenario.split("-")[1], a.work, a.rows, a.tokens, a.steps)
+    res = compile_scenario(a.scenario.split("-")[1], a.work, a.rows, a.tokens, a.steps,
+                           tuple(int(p) for p in a.parts.split(",") if p))
     print(json.dumps(res), flush=True)
