@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import against
+
 CASES = ((1, 1), (7, 1), (14, 1), (7, 64), (14, 64))  # (slots P, tokens T)
 
 
@@ -141,19 +138,6 @@ def _fork_spinner(block) -> int:
     return pid
 
 
-def run_tree(tree: Path, number: int, repeat: int, modes: tuple[str, ...], single: int,
-             evict_mib: int) -> list[dict[str, float]]:
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
-            f"sys.path.insert(1, {str(ROOT / 'bench' / 'cpu')!r}); import bench_post; "
-            f"print(json.dumps(bench_post.measure({number}, {repeat}, {modes!r}, {single}, "
-            f"{evict_mib})))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=tempfile.gettempdir())
-    if res.returncode:
-        sys.exit(f"bench_post: measuring {tree} failed:\n{res.stderr}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--against", help="a git revision to measure side by side")
@@ -170,26 +154,15 @@ def main() -> None:
     modes = tuple(m for m in a.modes.split(",") if m)
     if bad := set(modes) - set(MODES):
         ap.error(f"--modes: unknown {sorted(bad)}; known: {', '.join(MODES)}")
-    trees = {"this": ROOT}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-post-")) if a.against else None
     rows: list[dict] = []
-    try:
-        if a.against:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                            str(tmp / "tree"), a.against], check=True)
-            trees = {"this": ROOT, a.against: tmp / "tree"}
+    with against.trees(a.against) as trees:
         for r in range(a.rounds):
-            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                for row in run_tree(trees[name], a.number, a.repeat, modes, a.single,
-                                    a.evict_mib):
+            for name in against.in_order(list(trees), r):
+                for row in against.measure_in(trees[name], "bench_post", (
+                        f"measure({a.number}, {a.repeat}, {modes!r}, {a.single}, "
+                        f"{a.evict_mib})")):
                     rows.append({"code": name, "round": r, **row})
                     print(json.dumps(rows[-1]), flush=True)
-    finally:
-        if tmp is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(tmp / "tree")], check=False, capture_output=True)
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
-            shutil.rmtree(tmp, ignore_errors=True)
     for key in ("post_ns", *(f"{m}_median_ns" for m in modes)):
         print(f"\nmedian {key} (over rounds)")
         for p, t in CASES:

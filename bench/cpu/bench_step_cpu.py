@@ -28,14 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import against
 
 
 def _offload_main(spec: dict, conn) -> None:  # noqa: ANN001 - a Pipe end
@@ -143,17 +140,6 @@ def measure(args: dict) -> dict:
             "bad_rows": res["bad_rows"]}
 
 
-def run_tree(tree: Path, args: dict) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
-            f"sys.path.insert(1, {str(ROOT / 'bench' / 'cpu')!r}); import bench_step_cpu; "
-            f"print(json.dumps(bench_step_cpu.measure({args!r})))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=tempfile.gettempdir())
-    if res.returncode:
-        sys.exit(f"bench_step_cpu: measuring {tree} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--against", help="a git revision to measure side by side")
@@ -166,24 +152,13 @@ def main() -> None:
     a = ap.parse_args()
     args = {"steps": a.steps, "gap_ms": a.gap_ms, "evict_mib": a.evict_mib,
             "forward_mib": a.forward_mib}
-    trees = {"this": ROOT}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-step-cpu-")) if a.against else None
     rows: list[dict] = []
-    try:
-        if a.against:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                            str(tmp / "tree"), a.against], check=True)
-            trees = {"this": ROOT, a.against: tmp / "tree"}
+    with against.trees(a.against) as trees:
         for r in range(a.rounds):
-            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                rows.append({"code": name, "round": r, **args, **run_tree(trees[name], args)})
+            for name in against.in_order(list(trees), r):
+                rows.append({"code": name, "round": r, **args, **against.measure_in(
+                    trees[name], "bench_step_cpu", f"measure({args!r})")})
                 print(json.dumps(rows[-1]), flush=True)
-    finally:
-        if tmp is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(tmp / "tree")], check=False, capture_output=True)
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
-            shutil.rmtree(tmp, ignore_errors=True)
     lines = []
     for key in ("offload_cpu_us_per_step", "worker_bracket_cpu_us_median"):
         med = {n: statistics.median(x[key] for x in rows if x["code"] == n) for n in trees}
