@@ -743,8 +743,9 @@ if __name__ == "__main__":
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--parts", default="", help="compile-*: layers per part, e.g. 7,14,14 "
-                    "(the late pull); none: one pull of the whole row")
+    ap.add_argument("--parts", default="", help="compile-*: layers per part, equal (e.g. "
+                    "7,7,7,7,7: the late pull; unequal parts build index maps on their first "
+                    "forward, which a saved artefact does not replay); none: one pull")
     a = ap.parse_args()
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
