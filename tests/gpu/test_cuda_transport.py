@@ -167,10 +167,10 @@ def test_compiled_artifact_runs_in_a_new_process(ckpt: Path, tmp_path: Path, par
         results[role] = json.loads(proc.stdout.strip().splitlines()[-1])
     save, load = results["save"], results["load"]
     assert save["ops_in_graph"] == (2 * len(parts.split(",")) if parts else 1)
+    graphs = torch.cuda.is_available()  # then 1,000 graph steps follow the eager ones
     for r in (save, load):
-        assert r["eager_wrong_words"] == 0 and r["steps"] == 1000
-        assert r.get("graph_wrong_words", 0) == 0
-        assert ("graph_wrong_words" in r) == torch.cuda.is_available()
+        assert r["eager_wrong_words"] == 0 and r["steps"] == (2000 if graphs else 1000)
+        assert r.get("graph_wrong_words", 0) == 0 and ("graph_wrong_words" in r) == graphs
         assert r["addresses_in_artifact"] == [], "a live address was baked into the artefact"
     assert load["pid"] != save["pid"] and load["addresses_equal_to_saver"] == []
 
