@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from ray_ple.tools.k8s.render import render_all, serve_config_v2
+from ray_ple.tools.cli import main as cli
+from ray_ple.tools.k8s.render import README_BEGIN, README_END, render_all, serve_config_v2
 from ray_ple.tools.k8s.sizing import group_name, ingress_demand, model_demands
 from ray_ple.tools.k8s.spec import ManifestSpec, load_spec
 from ray_ple.tools.quantity import parse_bytes, parse_quantity
@@ -49,9 +52,112 @@ def _manifest(request) -> tuple[ManifestSpec, dict[str, Any]]:
 
 def test_every_manifest_is_generated_from_serve_configs():
     rendered = render_all(ROOT)
-    assert sorted(p.name for p in rendered) == sorted(SPECS)
+    assert sorted(p.name for p in rendered) == sorted([*SPECS, "README.md"])
     for path, text in rendered.items():
         assert path.read_text() == text, f"{path.name} is stale: run `ray-ple render-k8s`"
+
+
+def test_render_check_passes_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`ray-ple render-k8s --check` (what CI runs through this test), from a directory outside
+    the checkout: it finds the checkout it runs from and the committed files are current."""
+    monkeypatch.chdir(tmp_path)
+    assert cli(["render-k8s", "--check"]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out == ""
+
+
+def test_render_without_a_spec_says_so_once(tmp_path, capsys):
+    assert cli(["render-k8s", "--check", "--root", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert "k8s/spec/clusters.yaml not found in" in out.err and "--root" in out.err
+    assert "Traceback" not in out.err + out.out
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    """What `render-k8s` reads and writes, copied: the repository is never edited."""
+    for part in ("k8s", "serve_configs"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    return tmp_path
+
+
+def _readme_block(text: str) -> str:
+    return text[text.index(README_BEGIN):text.index(README_END)]
+
+
+@pytest.mark.parametrize("file, inside", [
+    ("README.md", _readme_block),
+    ("rayservice-gemma4-e4b-gpu.yaml", lambda text: text[:text.index("\n---\n")]),
+])
+def test_render_check_fails_on_a_stale_figure(tmp_path, capsys, file, inside):
+    """A figure the sizing code did not give, in the README's sizing table or a manifest's
+    header, fails `render-k8s --check` and names the file; `render-k8s` rewrites it."""
+    root = _copy_tree(tmp_path)
+    path = root / "k8s" / file
+    text = path.read_text()
+    region = inside(text)
+    figure = re.search(r"\d+\.\d\d MiB", region)
+    assert figure, f"no MiB figure in {file}'s generated part"
+    stale = region.replace(figure[0], "168.00 MiB", 1)
+    path.write_text(text.replace(region, stale, 1))
+    assert cli(["render-k8s", "--check", "--root", str(root)]) == 1
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [f"differs: k8s/{file}"]
+    assert cli(["render-k8s", "--root", str(root)]) == 0
+    assert path.read_text() == text
+    assert cli(["render-k8s", "--check", "--root", str(root)]) == 0
+
+
+DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
+
+
+def _dockerfile(path: Path) -> dict[str, Any]:
+    """FROM, the ENV it sets, its COPY sources and its RUN steps."""
+    out: dict[str, Any] = {"from": [], "env": {}, "copy": [], "run": []}
+    for line in path.read_text().splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        op, args = words[0].upper(), words[1:]
+        if op == "FROM":
+            out["from"].append(args[0])
+        elif op == "ENV":
+            out["env"].update(a.split("=", 1) for a in args)
+        elif op == "COPY":
+            out["copy"] += [a for a in args[:-1] if not a.startswith("--")]
+        elif op == "RUN":
+            out["run"].append(" ".join(args))
+    return out
+
+
+def test_dockerfiles_are_the_install_script():
+    """Each image the README builds runs `scripts/install.sh` (its only RUN) with the extra the
+    README names, into the base image's Python, on the Ray and Python of the manifests; its tag
+    is the `image` of the manifests whose transport that extra serves."""
+    import tomllib
+
+    readme = (ROOT / "k8s" / "README.md").read_text()
+    builds = re.findall(r"docker build -f (\S+) -t (\S+) \.\s+# \w+: RAY_PLE_EXTRAS=(\S+)",
+                        readme)
+    assert sorted(ROOT / f for f, _, _ in builds) == DOCKERFILES and len(DOCKERFILES) == 2
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    images: dict[str, set[str]] = {}
+    for spec in SPECS.values():
+        app = _serve_config(_doc(spec.file))["applications"][0]
+        for demand in model_demands(app, spec.checkpoint_configs):
+            images.setdefault(spec.image, set()).add(demand.transport)
+    for file, tag, extras in builds:
+        image = _dockerfile(ROOT / file)
+        assert image["run"] == ["scripts/install.sh"], file
+        assert image["env"]["RAY_PLE_EXTRAS"] == extras, file
+        assert set(extras.split(",")) <= set(project["optional-dependencies"]), file
+        assert image["env"]["RAY_PLE_VENV"] == "/home/ray/anaconda3", file  # the base's Python
+        ray = {s.ray_version for s in SPECS.values()}.pop()
+        flavour = "cpu" if extras == "cpu" else "cu128"
+        assert image["from"] == [f"rayproject/ray:{ray}-py311-{flavour}"], file
+        assert images.get(tag) == {extras}, f"{file}: {tag} serves {images.get(tag)}"
+        # what `pip install -e .` and the script need from the build context
+        needed = {"pyproject.toml", project["readme"], "ray_ple", "scripts"}
+        assert needed <= set(image["copy"]), f"{file} copies {image['copy']}"
+    assert {t for _, t, _ in builds} == set(images)
 
 
 def test_serve_config_v2_is_the_serve_config(manifest):

@@ -1,7 +1,7 @@
 """`ray-ple`: operator commands.
 
     ray-ple doctor [...]          can this pod hold what ray-ple will ask of it (k8s init step)
-    ray-ple render-k8s [--check]  write (or compare) k8s/*.yaml from serve_configs/
+    ray-ple render-k8s [--check]  write (or compare) k8s/*.yaml and k8s/README.md's sizing
 
 Each subcommand imports its module only when run: `doctor` must stay light and CUDA-free.
 """
@@ -26,13 +26,19 @@ def _doctor(ns: argparse.Namespace) -> int:
 
 
 def _render_k8s(ns: argparse.Namespace) -> int:
-    from ray_ple.tools.k8s.render import write_or_check
+    from ray_ple.errors import PleConfigError
+    from ray_ple.tools.k8s.render import find_root, write_or_check
 
-    stale = write_or_check(Path(ns.root), check=ns.check)
+    try:
+        root = find_root(None if ns.root is None else Path(ns.root))
+        stale = write_or_check(root, check=ns.check)
+    except PleConfigError as e:
+        print(f"ray-ple render-k8s: {e}", file=sys.stderr)
+        return 2
     for path in stale:
         print(f"{'differs' if ns.check else 'wrote'}: {path}")
     if ns.check and stale:
-        print("run `ray-ple render-k8s` and commit the result", file=sys.stderr)
+        print(f"run `ray-ple render-k8s` in {root} and commit the result", file=sys.stderr)
         return 1
     return 0
 
@@ -56,8 +62,10 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(run=_doctor)
 
     r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/spec/clusters.yaml + serve_configs/")
-    r.add_argument("--root", default=".", help="project root (default: here)")
-    r.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
+    r.add_argument("--root", help="project root (default: the checkout holding the current "
+                   "directory, else the one ray_ple is installed from)")
+    r.add_argument("--check", action="store_true",
+                   help="compare only; exit 1 if a manifest or k8s/README.md's sizing is stale")
     r.set_defaults(run=_render_k8s)
     return p
 

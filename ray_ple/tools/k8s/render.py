@@ -5,8 +5,11 @@
 runs `ray-ple doctor` as an init container with the numbers it was sized for, so a node that
 cannot hold them fails at start with one line per check.
 
-    ray-ple render-k8s            # write k8s/*.yaml
-    ray-ple render-k8s --check    # exit 1 if a committed manifest differs
+    ray-ple render-k8s            # write k8s/*.yaml and k8s/README.md's sizing table
+    ray-ple render-k8s --check    # exit 1 if a committed manifest or that table differs
+
+The sizing table in `k8s/README.md` (between `README_BEGIN` and `README_END`) is generated too,
+so that every figure an operator reads there is the one the manifests were sized with.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from ray_ple.tools.k8s.sizing import (
     model_demands,
     pod_budget,
 )
-from ray_ple.tools.k8s.spec import ManifestSpec, load_spec
-from ray_ple.tools.quantity import gib_up, mib_up
+from ray_ple.tools.k8s.spec import SPEC_PATH, ManifestSpec, load_spec
+from ray_ple.tools.quantity import gib_up, human, mib_up, parse_bytes, parse_quantity
 
 SERVE_PORT = 8000
 PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": SERVE_PORT,
@@ -36,6 +39,27 @@ PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": SERVE_
 DSHM = "dshm"
 MODELS = "models"
 LABELS = {"app.kubernetes.io/name": "ray-ple", "app.kubernetes.io/part-of": "ray-ple"}
+README = Path("k8s") / "README.md"
+README_BEGIN = "<!-- sizing:begin -->"
+README_END = "<!-- sizing:end -->"
+
+
+def find_root(root: Path | None = None) -> Path:
+    """The project root that holds `k8s/spec/clusters.yaml`: `root` if given, else the nearest
+    of the current directory and its parents, else the checkout this package runs from (an
+    editable install, as `scripts/install.sh` makes), so `render-k8s` works from anywhere."""
+    if root is not None:
+        candidates = [root]
+    else:
+        here = Path.cwd().resolve()
+        candidates = [here, *here.parents, Path(__file__).resolve().parents[3]]
+    for candidate in candidates:
+        if (candidate / SPEC_PATH).is_file():
+            return candidate
+    where = str(root) if root is not None else (f"{Path.cwd()}, its parents or "
+                                                f"{Path(__file__).resolve().parents[3]}")
+    raise PleConfigError(f"{SPEC_PATH} not found in {where}: run `ray-ple render-k8s` in a "
+                         "ray-ple checkout or pass --root")
 
 
 def serve_config_v2(serve_config: dict[str, Any]) -> dict[str, Any]:
@@ -209,13 +233,119 @@ def render_manifest(root: Path, spec: ManifestSpec) -> str:
     return text + "---\n" + _dump(rayservice(spec, serve_config, sized))
 
 
+def _sum(*terms: str) -> str:
+    return " + ".join(terms)
+
+
+def _table_cell(d: ModelDemand) -> str:
+    if not d.tables:
+        return "none (offload disabled)"
+    rows = _sum(*(f"{n:,} rows x {b:,} B + a header page" for n, b in d.tables))
+    return f"{rows} = {human(d.table_bytes)} ({d.table_bytes} B)"
+
+
+def _pair_cell(d: ModelDemand) -> str:
+    if not d.pair_bytes:
+        return "none"
+    rest = d.pair_bytes - d.slot_tokens * d.slot_row_bytes
+    return (f"{d.slot_tokens:,} x {d.slot_row_bytes:,} B + {human(rest)} = "
+            f"{human(d.pair_bytes)} ({d.pair_bytes} B)")
+
+
+def _shm_cell(b: PodBudget) -> str:
+    terms = _sum(human(b.table_bytes), f"{b.workers} x {human(b.pair_bytes)}",
+                 human(b.object_store_bytes), human(b.shm_headroom_bytes))
+    return f"{terms} = {human(b.shm_bytes)} -> `{mib_up(b.shm_bytes)}`"
+
+
+def _memory_cell(b: PodBudget) -> str:
+    terms = _sum(human(b.shm_bytes), human(b.process_bytes), human(b.system_bytes))
+    return f"{terms} -> `{gib_up(b.memory_bytes)}`"
+
+
+def _pods_cell(spec: ManifestSpec, b: PodBudget) -> str:
+    """Every pod at the minimum pod count (what a try-out cluster must hold), and the GPUs a
+    blue/green upgrade needs at the minimum and maximum (two clusters at once)."""
+    cpu = parse_quantity(spec.head.cpu) + b.min_pods * b.cpu
+    mem = parse_bytes(spec.head.memory) + b.min_pods * parse_bytes(gib_up(b.memory_bytes))
+    text = (f"head {spec.head.cpu} CPU / {spec.head.memory} + {b.min_pods} x worker "
+            f"{b.cpu:g} CPU / {gib_up(b.memory_bytes)} = {cpu:g} CPUs / {human(mem)}")
+    if b.gpus:
+        text += (f"; {b.min_pods * b.gpus} to {b.max_pods * b.gpus} GPU(s), "
+                 f"{2 * b.min_pods * b.gpus} to {2 * b.max_pods * b.gpus} during a blue/green "
+                 "upgrade")
+    return text
+
+
+# (term, rule, cell): the rows of the README's sizing table, one column per worker group.
+_ROWS: list[tuple[str, str, Any]] = [
+    ("Ray CPUs (`num-cpus`)", "replicas x the replica's placement-group CPUs (each worker "
+     "bundle: its offload actor's `offload_num_cpus`; bundle 0 also the replica actor's 1) + "
+     "one ingress replica, rounded up",
+     lambda s, d, i, b: f"{b.replicas_per_pod} x {d.replica_cpus:g} + {i.cpus:g} = "
+                        f"{b.ray_cpus}"),
+    ("Ray GPUs (`num-gpus`, `nvidia.com/gpu`)", "replicas x `tensor_parallel_size`",
+     lambda s, d, i, b: f"{b.replicas_per_pod} x {d.replica_gpus:g} = {b.gpus}"),
+    ("container CPU request", "Ray CPUs + cores Ray books nothing for (vLLM's GPU worker actor "
+     "has `num_cpus=0`; EngineCore's loop) + Ray's daemons",
+     lambda s, d, i, b: f"{b.ray_cpus} + {b.replicas_per_pod} x "
+                        f"{s.workers.estimates.unbooked_cores_per_replica:g} + "
+                        f"{s.workers.estimates.system_cores:g} = {b.cpu:g}"),
+    ("table", "rows x row bytes (layers x PLE dim x dtype) + a header page, once per pod",
+     lambda s, d, i, b: _table_cell(d)),
+    ("pair segment", "per engine worker: output slots of `max_num_batched_tokens` rows (the "
+     "layers after `resident_layers`) + control block and input slot",
+     lambda s, d, i, b: _pair_cell(d)),
+    ("`/dev/shm` `sizeLimit`", "table + workers x pair + object store (`object-store-memory`) "
+     "+ headroom for vLLM/torch/NCCL",
+     lambda s, d, i, b: _shm_cell(b)),
+    ("memory request = limit", "`/dev/shm` (tmpfs pages are the pod's memory) + per worker: "
+     "engine processes + offload actor + CPU weight offload + per replica: a CPU engine's KV "
+     "cache + Ray's daemons, rounded up",
+     lambda s, d, i, b: _memory_cell(b)),
+    ("memlock per GPU worker", "its pair segment + a page, page-locked (section memlock)",
+     lambda s, d, i, b: human(b.memlock_bytes) if b.memlock_bytes else "none (CPU path)"),
+    ("pods at the minimum", "the head + the minimum worker pods (`minReplicas`)",
+     lambda s, d, i, b: _pods_cell(s, b)),
+]
+
+
+def render_readme_block(root: Path) -> str:
+    """The sizing table of `k8s/README.md`: each rule, and its figures for every worker group
+    of every manifest, from the same `size_manifest` the manifests come from."""
+    columns = []
+    for spec in load_spec(root).manifests:
+        _, sized = size_manifest(root, spec)
+        columns += [(spec, d, i, b) for d, i, b in sized]
+    head = ["term", "rule", *(f"`{s.file}` (`{b.group}`)" for s, _, _, b in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for term, rule, cell in _ROWS:
+        lines.append("| " + " | ".join([term, rule, *(cell(*c) for c in columns)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _with_readme_block(current: str, block: str) -> str:
+    if current.count(README_BEGIN) != 1 or current.count(README_END) != 1 or \
+            current.index(README_BEGIN) > current.index(README_END):
+        raise PleConfigError(f"{README} must hold one {README_BEGIN!r} ... {README_END!r} "
+                             "block for the sizing table")
+    before, rest = current.split(README_BEGIN)
+    _, after = rest.split(README_END)
+    return f"{before}{README_BEGIN}\n{block}{README_END}{after}"
+
+
 def render_all(root: Path) -> dict[Path, str]:
-    """`k8s/<file>` -> its text, for every manifest in `k8s/spec/clusters.yaml`."""
-    return {root / "k8s" / m.file: render_manifest(root, m) for m in load_spec(root).manifests}
+    """`k8s/<file>` -> its text, for every manifest in `k8s/spec/clusters.yaml`, and
+    `k8s/README.md` with its sizing table."""
+    out = {root / "k8s" / m.file: render_manifest(root, m) for m in load_spec(root).manifests}
+    readme = root / README
+    out[readme] = _with_readme_block(readme.read_text(), render_readme_block(root))
+    return out
 
 
 def write_or_check(root: Path, check: bool) -> list[str]:
-    """Write the manifests, or (check) return the ones that differ from what is committed."""
+    """Write the manifests and the README's sizing table, or (check) return the files that
+    differ from what is committed."""
     stale = []
     for path, text in render_all(root).items():
         current = path.read_text() if path.exists() else None

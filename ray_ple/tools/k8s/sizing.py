@@ -48,7 +48,10 @@ class ModelDemand(Frozen):
     max_replicas: int
     offload_cpus: float
     table_bytes: int  # the node copy's segment (header page + rows)
+    tables: tuple[tuple[int, int], ...] = ()  # (rows, row bytes) of each offloaded table
     pair_bytes: int  # one worker's pair segment (control block, input slot, output slots)
+    slot_tokens: int = 0  # rows of each output slot
+    slot_row_bytes: int = 0  # one token's row across all output slots
     kv_host_bytes: int  # per replica: a CPU engine's KV cache lives in host memory
     weight_offload_bytes: int  # per worker: engine_kwargs.cpu_offload_gb
 
@@ -218,7 +221,8 @@ def _model_demand(llm: Any, ple: PleConfig, app_env: dict[str, str],
     source = mlc.model_source or mlc.model_id
     kw = llm.engine_kwargs
     world = int(kw.get("tensor_parallel_size", 1))
-    table = pair = 0
+    table = pair = tokens = row_bytes = 0
+    tables: tuple[tuple[int, int], ...] = ()
     transport, dtype = "none", str(kw.get("dtype", "auto"))
     if ple.enabled:
         if ple.shm_dir != "/dev/shm":
@@ -231,6 +235,8 @@ def _model_demand(llm: Any, ple: PleConfig, app_env: dict[str, str],
                                         transport=transport)
         dtype = geometry.layers[0].dtype
         table = sum(mmap.PAGESIZE + g.table_bytes for g in geometry.layers)
+        tables = tuple((g.rows, g.row_bytes) for g in geometry.layers)
+        tokens, row_bytes = geometry.max_tokens, sum(s.row_bytes for s in geometry.slots())
         pair = PairLayout.compute(geometry.max_tokens,
                                   tuple(s.row_bytes for s in geometry.slots())).size
     lo, hi = _replicas(llm.deployment_config)
@@ -240,7 +246,8 @@ def _model_demand(llm: Any, ple: PleConfig, app_env: dict[str, str],
         world_size=world, bundles=tuple(replica_bundles(llm)),
         strategy=pgc.get("strategy", "PACK"), min_replicas=lo, max_replicas=hi,
         offload_cpus=ple.offload_num_cpus if ple.enabled else 0.0, table_bytes=table,
-        pair_bytes=pair, kv_host_bytes=_kv_host_bytes(llm, app_env),
+        tables=tables, pair_bytes=pair, slot_tokens=tokens, slot_row_bytes=row_bytes,
+        kv_host_bytes=_kv_host_bytes(llm, app_env),
         weight_offload_bytes=int(float(kw.get("cpu_offload_gb", 0)) * GiB))
 
 
