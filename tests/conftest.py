@@ -19,26 +19,34 @@ import pytest  # noqa: E402
 from tests.leftovers import (  # noqa: E402
     footprint,
     hugetlb_pool,
+    mark_session,
     ple_processes,
     ple_shm_entries,
 )
 
+# Before any test starts a process: every process of this session carries the marker, and
+# the names already in /dev/shm are another run's. `nothing_left_behind` counts only ours.
+SESSION = mark_session()
+SHM_AT_START = frozenset(ple_shm_entries())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
-    """After the whole suite, nothing of ray-ple remains: no process, no name in /dev/shm,
-    and the memory that has no name (memfd tables, O_TMPFILE pairs; pinned memory) back to
-    its level within `tests.leftovers.SHMEM_TOLERANCE` (other processes move it too)."""
+    """After the whole suite, nothing of ray-ple that this session made remains: no process
+    carrying its marker, no name in /dev/shm that was not there at its start, and the memory
+    that has no name (memfd tables, O_TMPFILE pairs; pinned memory) back to its level within
+    `tests.leftovers.SHMEM_TOLERANCE` (other processes move it too)."""
     base = footprint([])
     yield
     import time
 
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (ple_shm_entries() or ple_processes()
+    while time.monotonic() < deadline and (ple_shm_entries(since=SHM_AT_START)
+                                           or ple_processes(SESSION)
                                            or footprint([]).differs(base)):
         time.sleep(1)
-    assert ple_shm_entries() == []
-    assert ple_processes() == []
+    assert ple_shm_entries(since=SHM_AT_START) == []
+    assert ple_processes(SESSION) == []
     assert footprint([]).differs(base) == []
 
 

@@ -7,6 +7,7 @@ shows only as memory: `Shmem` in /proc/meminfo, which counts every tmpfs page, n
 from __future__ import annotations
 
 import os
+import uuid
 from collections import Counter
 from typing import NamedTuple
 
@@ -26,8 +27,10 @@ SHMEM_TOLERANCE = 64 << 20
 MLOCK_TOLERANCE = 16 << 20
 
 
-def ple_shm_entries(shm_dir: str = "/dev/shm") -> list[str]:
-    return sorted(n for n in os.listdir(shm_dir) if "ray-ple" in n)
+def ple_shm_entries(shm_dir: str = "/dev/shm", since: frozenset[str] = frozenset()) -> list[str]:
+    """ray-ple's names in `shm_dir`, less those in `since` (a snapshot taken when a session
+    started: another run's names are not this session's leftovers)."""
+    return sorted(n for n in os.listdir(shm_dir) if "ray-ple" in n and n not in since)
 
 
 def named_shm_bytes(shm_dir: str = "/dev/shm") -> int:
@@ -126,16 +129,49 @@ def footprint(raylets: list[int]) -> Footprint:
                      cluster_processes(raylets))
 
 
-def ple_processes() -> list[str]:
-    """Processes of ray-ple's own: offload actors, serve replicas, vLLM engines of ours."""
+# The marker of one test session: set in the session's environment before anything starts, so
+# every process it starts (Ray clusters, their workers, vLLM engines, forked sides) carries it
+# and another run's processes on the same machine (a `serve run`, a second suite) do not.
+SESSION_VAR = "RAY_PLE_TEST_SESSION"
+
+
+def mark_session() -> str:
+    """Give this process, and so every process it starts from now on, a new session marker."""
+    os.environ[SESSION_VAR] = uuid.uuid4().hex
+    return os.environ[SESSION_VAR]
+
+
+def session_of(pid: int) -> str | None:
+    """The session marker in a process's environment; None where it has none, or where it
+    cannot be read: gone, a zombie, or another user's (a session's own processes run as its
+    user, or were started by it as root, and root reads every environment)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:  # ENOENT: gone; EACCES/EPERM: another user's
+        return None
+    key = SESSION_VAR.encode() + b"="
+    for entry in env.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key):].decode(errors="replace")
+    return None
+
+
+def ple_processes(session: str | None = None) -> list[str]:
+    """Processes of ray-ple's own (offload actors, serve replicas, vLLM engines of ours) that
+    carry `session` (default: this process's marker; every one on the machine where this
+    process has none)."""
+    session = session or os.environ.get(SESSION_VAR)
     me = os.getpid()
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         if p.info["pid"] == me:
             continue
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(k in cmd for k in ("OffloadActor", "PleLLMServer", "ray-ple-offload",
-                                  "offload_proc.py")):
+        if not any(k in cmd for k in ("OffloadActor", "PleLLMServer", "ray-ple-offload",
+                                      "offload_proc.py")):
+            continue
+        if session is None or session_of(p.info["pid"]) == session:
             found.append(f"{p.info['pid']}: {cmd[:120]}")
     return found
 
