@@ -5,26 +5,43 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError
 
 HugePages = Literal["auto", "off", "require"]
 
+# Every key of the `ple:` block is taken as written: strict types (no bool for a count or a
+# flag from "true"/1, no "1" or 1.0 for a count; an int is a valid float), and no inf or nan
+# (`heartbeat_s: .inf` would turn liveness off, `step_s: .inf` overflows the nanosecond clock).
+_STRICT = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+# Upper bounds of the deadlines: each is a promise that a stuck replica ends, so none may be
+# so long that it never does. A day covers any table load + engine start + compile on a slow
+# node; an hour covers any one forward (a long prefill on a CPU engine takes minutes) and any
+# flag wait or heartbeat gap of a live side.
+_DAY_S, _HOUR_S = 86400.0, 3600.0
+
 
 class PleDeadlines(Frozen):
     """Progress deadlines; missing one ends the replica (DESIGN section 5)."""
 
-    startup_s: float = Field(900.0, gt=0, description="table load + engine start + capture")
-    step_s: float = Field(60.0, gt=0, description="a posted step must be released in time")
-    offload_wait_s: float = Field(10.0, gt=0, description="offload actor waits for flag == 0")
-    heartbeat_s: float = Field(5.0, gt=0, description="a side whose heartbeat is older is dead")
+    model_config = _STRICT
+    startup_s: float = Field(900.0, gt=0, le=_DAY_S,
+                             description="table load + engine start + capture")
+    step_s: float = Field(60.0, gt=0, le=_HOUR_S,
+                          description="a posted step must be released in time")
+    offload_wait_s: float = Field(10.0, gt=0, le=_HOUR_S,
+                                  description="offload actor waits for flag == 0")
+    heartbeat_s: float = Field(5.0, gt=0, le=_HOUR_S,
+                               description="a side whose heartbeat is older is dead")
 
 
 class SupervisorConfig(Frozen):
     """How often the supervisor looks; detection latency is bounded by these."""
 
+    model_config = _STRICT
     poll_interval_s: float = Field(0.02, gt=0, le=5)
     heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
 
@@ -32,6 +49,7 @@ class SupervisorConfig(Frozen):
 class PleConfig(Frozen):
     """Per-deployment PLE offload settings (the `ple:` block)."""
 
+    model_config = _STRICT
     enabled: bool = True
     transport: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda where the engine has GPUs, else cpu"
@@ -62,7 +80,7 @@ class PleConfig(Frozen):
         "gather, copy or wait is on layer 0's gate (E4B: 134 MB of the 5.6 GB table a "
         "layer); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
         "auto: 1 on the cuda transport (decode steps then never wait for the first part: "
-        "bench/cuda/README.md, late-run19), 0 on cpu, for Gemma 3n and for a one-layer model"
+        "bench/cuda/results/late-run19/resident), 0 on cpu, for Gemma 3n and for a one-layer model"
     )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "

@@ -146,7 +146,6 @@ def _announcing_worker(handle: dict, geometry: dict, ids: list[int], table_path:
     import torch
 
     from ray_ple.config import PleDeadlines
-    from ray_ple.protocol.doorbell import Doorbell
     from ray_ple.worker.pair import WorkerPair
 
     expect = np.load(table_path)
@@ -158,7 +157,7 @@ def _announcing_worker(handle: dict, geometry: dict, ids: list[int], table_path:
     asleep = b.sleeping
     s = w.announce(len(ids))
     if w.must_ring():
-        Doorbell(handle["segment"]["token"]).ring()
+        pair._bell.ring()  # the pair's own ringer: the listener takes no other
     time.sleep(0.2)  # the GPU is late: the woken side must spin for the post, not sleep
     waiting = (b.sleeping, b.posted)
     c = b.counters()

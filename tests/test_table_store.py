@@ -10,9 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from ray_ple.offload.table_store import broker_name, fingerprint, locate_tensor
+from ray_ple.errors import PleModelError
+from ray_ple.offload.table_store import (
+    TableFile,
+    _load,
+    acquire_table,
+    broker_name,
+    fingerprint,
+    locate_tensor,
+)
 from ray_ple.protocol.peers import name_holder
-from ray_ple.protocol.shm import SharedSegment, shmem_bytes
+from ray_ple.protocol.shm import PAGE, SharedSegment, shmem_bytes
 from tests.leftovers import hugetlb_pool, ple_shm_entries
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 
@@ -241,4 +249,59 @@ def test_seal_waits_out_a_transient_pin_and_names_one_that_stays(monkeypatch):
         seg.seal()
     os.close(r)
     seg.close()
+    assert ple_shm_entries() == []
+
+
+def _two_checkpoints(tmp_path) -> tuple:
+    """A served checkpoint and another of the same shape with other rows."""
+    path, other = tmp_path / "ckpt", tmp_path / "other"
+    old = write_checkpoint(path, rows=4096, seed=0)
+    new = write_checkpoint(other, rows=4096, seed=1)
+    assert (old != new).any(axis=1).all()
+    (source,) = spec_for(path, max_tokens=8).sources
+    return path, other, source, old, new
+
+
+def _load_into_segment(table: TableFile, source) -> np.ndarray:  # noqa: ANN001
+    """The loader's own steps after the fingerprint: a new segment, `_load` through the fd."""
+    layer = source.layer
+    seg = SharedSegment.create("table", PAGE + layer.table_bytes, sealable=True)
+    try:
+        _load(seg, table, layer, table.fingerprint(layer))
+        return np.ndarray((layer.rows, layer.row_bytes), np.uint8, seg.map, PAGE).copy()
+    finally:
+        seg.close()
+
+
+def test_a_checkpoint_replaced_after_its_header_was_read_is_one_error_never_its_rows(tmp_path):
+    """The header, the fingerprint and the rows come through one fd, so a file put on the
+    path between the header read and the load is never read under the old fingerprint; the
+    opened file lost its name meanwhile (its ctime moved), so the load is refused as one
+    error. Asked again, the new file is served whole under its own fingerprint."""
+    path, other, source, _, new = _two_checkpoints(tmp_path)
+    with TableFile.open(source) as table:
+        fp = table.fingerprint(source.layer)
+        os.replace(other / "model.safetensors", path / "model.safetensors")
+        with pytest.raises(PleModelError, match="changed while its table"):
+            _load_into_segment(table, source)
+    assert ple_shm_entries() == []
+    served = acquire_table(source, shm_dir="/dev/shm", deadline_s=30, huge_pages="off")
+    try:
+        assert served.fingerprint != fp and (served.rows == new).all()
+    finally:
+        served.close()
+
+
+def test_a_checkpoint_rewritten_in_place_before_the_load_ends_is_refused(tmp_path):
+    """Same inode, other rows written between the fingerprint and the end of the load: the
+    fstat after the load differs from the one the fingerprint was made of, so the rows are
+    refused with one error, never served as a mix under the old fingerprint."""
+    path, _, source, _, new = _two_checkpoints(tmp_path)
+    with TableFile.open(source) as table:
+        loc = table.loc
+        with open(path / "model.safetensors", "r+b") as f:  # same inode, half the rows new
+            f.seek(loc.begin)
+            f.write(new[: len(new) // 2].tobytes())
+        with pytest.raises(PleModelError, match="changed while its table"):
+            _load_into_segment(table, source)
     assert ple_shm_entries() == []

@@ -62,33 +62,86 @@ class TensorLocation(BaseModel):
     end: int
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
+def _read_header(fd: int) -> tuple[dict, int]:
+    """The safetensors header of an open file, read through its fd (never the path again)."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, n, 8)), 8 + n
+
+
+# What says a file is the one that was opened: a replaced path shows another inode (our fd
+# still reads the old one); a rewrite in place a new size, mtime or ctime.
+_IDENTITY = ("st_size", "st_mtime_ns", "st_ino", "st_dev", "st_ctime_ns")
+
+
+class TableFile:
+    """The checkpoint file that holds the table, opened once: its header, its fingerprint's
+    stat and its rows are all read through this one fd, so a checkpoint replaced on the path
+    meanwhile is never read in part, and one rewritten in place is caught by `check_unchanged`
+    after the load (one error, never mixed rows)."""
+
+    def __init__(self, fd: int, loc: TensorLocation, stat: os.stat_result) -> None:
+        self.fd, self.loc, self.stat = fd, loc, stat
+
+    @classmethod
+    def open(cls, source: TableSource) -> TableFile:
+        """Find the PLE tensor in the checkpoint's safetensors files and keep its file open."""
+        ckpt = Path(source.checkpoint_dir)
+        files = sorted(ckpt.glob("*.safetensors"))
+        index = ckpt / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = [ckpt / weight_map[n] for n in source.tensor_names
+                     if n in weight_map] or files
+        if not files:
+            raise PleModelError(f"no .safetensors files in {ckpt}")
+        for path in files:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                stat = os.fstat(fd)  # before the header: a rewrite after it shows in the end
+                header, data_start = _read_header(fd)
+                for name in source.tensor_names:
+                    if name in header:
+                        e = header[name]
+                        b, end = e["data_offsets"]
+                        return cls(fd, TensorLocation(
+                            file=str(path.resolve()), name=name, dtype=e["dtype"],
+                            shape=tuple(e["shape"]), begin=data_start + b,
+                            end=data_start + end), stat)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
+                            f"{list(source.tensor_names)})")
+
+    def fingerprint(self, layer: LayerGeometry) -> str:
+        return fingerprint(self.loc, layer, self.stat)
+
+    def check_unchanged(self) -> None:
+        """Refuse what was read if the file changed since it was opened."""
+        now = os.fstat(self.fd)
+        changed = [k for k in _IDENTITY if getattr(now, k) != getattr(self.stat, k)]
+        if changed:
+            raise PleModelError(f"{self.loc.file} changed while its table {self.loc.name} was "
+                                f"read ({', '.join(changed)} differ): refusing the rows; "
+                                "start again once the checkpoint is written")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> TableFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def locate_tensor(source: TableSource) -> TensorLocation:
-    """Find the PLE tensor in the checkpoint's safetensors files."""
-    ckpt = Path(source.checkpoint_dir)
-    files = sorted(ckpt.glob("*.safetensors"))
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [ckpt / weight_map[n] for n in source.tensor_names if n in weight_map] or files
-    if not files:
-        raise PleModelError(f"no .safetensors files in {ckpt}")
-    for path in files:
-        header, data_start = _read_header(path)
-        for name in source.tensor_names:
-            if name in header:
-                e = header[name]
-                b, end = e["data_offsets"]
-                return TensorLocation(file=str(path.resolve()), name=name, dtype=e["dtype"],
-                                      shape=tuple(e["shape"]), begin=data_start + b,
-                                      end=data_start + end)
-    raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
-                        f"{list(source.tensor_names)})")
+    """Where the PLE tensor is in the checkpoint's safetensors files."""
+    with TableFile.open(source) as f:
+        return f.loc
 
 
 def _check_shape(loc: TensorLocation, layer: LayerGeometry) -> None:
@@ -125,9 +178,11 @@ def want_huge_pages(seg: SharedSegment) -> bool:
     return True
 
 
-def fingerprint(loc: TensorLocation, layer: LayerGeometry) -> str:
-    """Identity of one table copy: the tensor's file and entry, plus the engine dtype."""
-    st = os.stat(loc.file)
+def fingerprint(loc: TensorLocation, layer: LayerGeometry,
+                st: os.stat_result | None = None) -> str:
+    """Identity of one table copy: the tensor's file (`st`: the fstat of the fd its rows are
+    read through; the path's stat for a file at rest) and entry, plus the engine dtype."""
+    st = os.stat(loc.file) if st is None else st
     key = json.dumps([loc.model_dump(), st.st_size, st.st_mtime_ns, st.st_ino,
                       layer.model_dump()], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()
@@ -237,13 +292,16 @@ def _header(seg: SharedSegment) -> tuple[int, int, int, int, int, str]:
     return magic, version, ready, rows, row_bytes, fp.hex()
 
 
-def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str) -> None:
+def _load(seg: SharedSegment, table: TableFile, layer: LayerGeometry, fp: str) -> None:
+    """Read the rows into `seg` through the file's one fd, then refuse them if the file
+    changed since it was opened (`TableFile.check_unchanged`)."""
+    loc = table.loc
     src_dtype = safetensors_dtype(loc.dtype)
     nbytes = layer.table_bytes
     progress = Progress("table_load", nbytes, tensor=loc.name, fingerprint=fp[:12])
     dst = memoryview(seg.map)[PAGE:PAGE + nbytes]
     if src_dtype == layer.dtype:
-        with open(loc.file, "rb", buffering=0) as f:
+        with open(table.fd, "rb", buffering=0, closefd=False) as f:
             f.seek(loc.begin)
             done = 0
             while done < nbytes:
@@ -257,7 +315,7 @@ def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str
 
         src_item, rows_per_chunk = ITEMSIZE[src_dtype], max(1, _CHUNK // layer.row_bytes)
         out = torch.frombuffer(dst, dtype=getattr(torch, layer.dtype)).view(layer.rows, -1)
-        with open(loc.file, "rb", buffering=0) as f:
+        with open(table.fd, "rb", buffering=0, closefd=False) as f:
             for r in range(0, layer.rows, rows_per_chunk):
                 n = min(rows_per_chunk, layer.rows - r)
                 f.seek(loc.begin + r * layer.row_elems * src_item)
@@ -267,6 +325,7 @@ def _load(seg: SharedSegment, loc: TensorLocation, layer: LayerGeometry, fp: str
                 progress.update((r + n) * layer.row_bytes)
         del out
     dst.release()
+    table.check_unchanged()
     progress.finish()
 
 
@@ -274,9 +333,15 @@ def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float,
                   huge_pages: HugePages = "auto") -> NodeTable:
     """Hold this node's copy of `source`, loading it if no one on the node has it yet
     (`huge_pages`: see `PleConfig.huge_pages`; the loader decides, sharers map its copy)."""
-    loc = locate_tensor(source)
+    with TableFile.open(source) as table:
+        return _acquire(table, source, shm_dir, deadline_s, huge_pages)
+
+
+def _acquire(table: TableFile, source: TableSource, shm_dir: str, deadline_s: float,
+             huge_pages: HugePages) -> NodeTable:
+    loc = table.loc
     _check_shape(loc, source.layer)
-    fp = fingerprint(loc, source.layer)
+    fp = table.fingerprint(source.layer)
     name, size = broker_name(fp), table_segment_size(source.layer)
     deadline = time.monotonic() + deadline_s
     refused_since: float | None = None
@@ -284,7 +349,7 @@ def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float,
         listener = _try_bind(name)
         if listener is not None:
             listener.listen(64)  # at once: a peer that connects while we load sees our uid
-            return _load_and_serve(listener, name, loc, source, fp, shm_dir, huge_pages)
+            return _load_and_serve(listener, name, table, source, fp, shm_dir, huge_pages)
         try:
             seg = _receive(name, fp, size, deadline)
         except ConnectionRefusedError:
@@ -325,7 +390,7 @@ def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
                    fp: str) -> SharedSegment:
     """The loader's new segment: on the hugetlb pool where `huge_pages` asks and the pool
     holds it (a step's first gather is bound by memory latency, and 2 MiB pages take most of
-    its page walks away: 3-18% on the H200 host, bench/cuda/README.md late-run17), else 4 KiB
+    its page walks away: 3-18% on the H200 host, bench/cuda/results/late-run17/hugetlb), else 4 KiB
     shmem pages as before; "require" makes a short pool the one error."""
     if huge_pages != "off":
         try:
@@ -337,7 +402,7 @@ def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
     return SharedSegment.create("table", size, shm_dir, sealable=True)
 
 
-def _load_and_serve(listener: socket.socket, name: bytes, loc: TensorLocation,
+def _load_and_serve(listener: socket.socket, name: bytes, table: TableFile,
                     source: TableSource, fp: str, shm_dir: str,
                     huge_pages: HugePages) -> NodeTable:
     """Load the table into a new sealed segment, then serve it on `listener` (already ours)."""
@@ -349,7 +414,7 @@ def _load_and_serve(listener: socket.socket, name: bytes, loc: TensorLocation,
     try:
         if not seg.hugetlb:
             want_huge_pages(seg)
-        _load(seg, loc, source.layer, fp)
+        _load(seg, table, source.layer, fp)
         _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
                        bytes.fromhex(fp))
         seg.seal()

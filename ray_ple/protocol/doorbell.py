@@ -5,9 +5,16 @@ delays the offload actor until its next poll, and a spurious one is ignored.
 
 Same user only (`ray_ple.protocol.peers`): the listener binds its name itself at setup (taken
 by anyone else: one clear error naming the holder) and the kernel stamps every datagram with
-its sender's credentials (`SO_PASSCRED`), so a ring from another uid is dropped unseen. The
-ringing side needs no check: a ring carries nothing, and the name is ours for as long as the
-listener lives.
+its sender's credentials (`SO_PASSCRED`), so a ring from another uid is dropped unseen.
+
+One ringer only, chosen by the kernel: the ringing side binds its own name next to the
+listener's (`ring_address`, taken by anyone else: one clear error at attach) and the listener
+connects its socket to that name as soon as it is bound. From then on the kernel refuses
+every other sender's datagram (EPERM, nothing queued), and the ringer's datagrams skip the
+listener's queue limit (`net.unix.max_dgram_qlen`), so no flood of datagrams on the public
+name can fill the queue and make a ring fail: a ring fails only while this ringer's own
+earlier rings are still unread, which wake the listener anyway. The wait stays one system
+call per wake-up once connected.
 """
 
 from __future__ import annotations
@@ -17,13 +24,20 @@ import socket
 import struct
 import time
 
+from ray_ple.log import log_event
 from ray_ple.protocol.peers import CRED_SPACE, bind_own, datagram_uid
 
 _TIMEVAL = struct.Struct("ll")  # struct timeval: seconds, microseconds
 
 
 def bell_address(token: str) -> bytes:
+    """The listener's abstract name (the offload actor's)."""
     return b"\0ray-ple-bell-" + token.encode()
+
+
+def ring_address(token: str) -> bytes:
+    """The ringer's abstract name (the worker's): the one sender the listener accepts."""
+    return b"\0ray-ple-ring-" + token.encode()
 
 
 class DoorbellListener:
@@ -32,7 +46,19 @@ class DoorbellListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         bind_own(self._sock, bell_address(token), "the offload actor's doorbell")
+        self._ringer = ring_address(token)
+        self._connected = False  # to the ringer: the kernel takes no one else's datagrams
         self._timeout_s: float | None = None  # the receive timeout set on the socket
+
+    def _connect(self) -> None:
+        """Accept datagrams from the ringer's socket only, once it is bound (one system call
+        per try, and only until the worker has attached)."""
+        try:
+            self._sock.connect(self._ringer)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # not bound yet
+        self._connected = True
+        log_event("doorbell_connected", ringer=self._ringer[1:].decode(errors="replace"))
 
     def _ours(self) -> bool:
         """Take one datagram; True if our own user sent it (no credentials: not ours)."""
@@ -55,6 +81,8 @@ class DoorbellListener:
         Queued rings are not drained: one left over wakes a later wait early, which the
         offload side takes as spurious (the counters are the truth)."""
         deadline = time.monotonic() + timeout_s
+        if not self._connected:
+            self._connect()
         self._set_timeout(timeout_s)
         while True:
             try:
@@ -62,6 +90,8 @@ class DoorbellListener:
                     return True
             except BlockingIOError:  # the timeout, as the kernel reports it
                 return False
+            if not self._connected:  # a flood before the ringer was bound: stop it now
+                self._connect()
             left = deadline - time.monotonic()  # another user's datagram: wait out the rest
             if left <= 0:
                 return False
@@ -72,16 +102,23 @@ class DoorbellListener:
 
 
 class Doorbell:
+    """The worker's side: one per pair, bound to `ring_address` for the pair's lifetime."""
+
     def __init__(self, token: str) -> None:
         self._addr = bell_address(token)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        bind_own(self._sock, ring_address(token), "the worker's doorbell")
         self._sock.setblocking(False)
 
-    def ring(self) -> None:
+    def ring(self) -> bool:
+        """Ring; False where no ring was sent: earlier rings of ours are still queued (they
+        wake the listener), or the listener is gone (its deadline will say). A listener that
+        takes another ringer refuses this one (PermissionError, raised: never silent)."""
         try:
             self._sock.sendto(b"!", self._addr)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-            pass  # a ring is pending already, or the listener is gone (its deadline will say)
+            return False
+        return True
 
     def close(self) -> None:
         self._sock.close()

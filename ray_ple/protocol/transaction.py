@@ -66,7 +66,7 @@ from typing import NoReturn
 import numpy as np
 
 from ray_ple.config import PleDeadlines
-from ray_ple.errors import PleEnvironmentError, PleTokenCountError
+from ray_ple.errors import PleConfigError, PleEnvironmentError, PleTokenCountError
 from ray_ple.protocol.fatal import Failure, Reason, fail_closed
 from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
 
@@ -92,6 +92,7 @@ _FENCE_WORD = ctypes.c_int(0)
 _SPIN_TRYLOCK = _LIBC.pthread_spin_trylock
 _SPIN_TRYLOCK.argtypes = (ctypes.c_void_p,)
 _FENCE_ADDR = ctypes.addressof(_FENCE_WORD)
+_IDS_DTYPE = np.dtype(np.int32)  # the input slot's id type (layout.py)
 
 
 def store_load_fence() -> None:
@@ -276,7 +277,17 @@ class WorkerEnd:
                     detail=f.detail)
 
     def begin(self, ids: np.ndarray, cut: Cut | None = None) -> int:
-        """Post step s with these token ids. Raises `PleTokenCountError` before posting."""
+        """Post step s with these token ids. Raises `PleConfigError` (ids not a 1-D int32
+        array) or `PleTokenCountError` before anything is stored.
+
+        The slot stores int32 ids and the offload side reads any id outside the table as
+        row 0 (as vLLM does), so the one way to a valid wrong row is a wider id that wraps on
+        the store (2**32 + 3 stores 3): the dtype is required, not converted. An O(1) check;
+        a range check would cost O(T) of the worker's core on every step, and int32 ids need
+        none (gather.py clips them)."""
+        if ids.dtype != _IDS_DTYPE or ids.ndim != 1:
+            raise PleConfigError(f"a step posts a 1-D int32 array of token ids (the slot's "
+                                 f"type), got shape {ids.shape} of {ids.dtype}")
         b = self.block
         self._ready_for_step("begin")
         c = b.counters()
