@@ -163,8 +163,8 @@ class OffloadActor:
         """Serve from cores the worker is not bound to, where the host has any.
 
         vLLM-CPU binds its worker's threads to cores. A doorbell wakes this thread on the
-        ringing core by preference, where it preempts the very forward it feeds (measured in
-        bench/cpu/README.md). Only this serving thread moves; with no free core (e.g. TP over
+        ringing core by preference, where it preempts the very forward it feeds (docs/history.md,
+        vLLM-CPU offline engines). Only this serving thread moves; with no free core (e.g. TP over
         every core) nothing changes.
         """
         try:

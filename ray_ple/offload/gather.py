@@ -10,14 +10,14 @@ over threads): a whole row from the table itself, a part from the table viewed a
 run of *units*, the largest byte count that divides the row and every part's offset and
 width (one layer's 512 B on E4B), at indices `id * units_per_row + unit`. Fancy indexing of
 a column view (`table[idx, c0:c0 + w]`, how parts were gathered before) builds a temporary
-and copies it: a step's parts 1.7-2.3x slower at T >= 64 (bench/cpu/results/gather-run2;
-1.9-2.2x on the H200 host, bench/cuda/README.md late-run17), and `np.take` on the column
+and copies it: a step's parts 1.9-2.2x slower at T >= 64 on the H200 host
+(bench/cuda/results/late-run17/gather; 1.7-2.3x on a 2-core VM), and `np.take` on the column
 view itself first copies the whole table to make it contiguous.
 
 With `gather_threads > 1`, steps of at least `_PARALLEL_MIN_TOKENS` tokens whose copy is
 a whole row or at least `_PARALLEL_MIN_PART_BYTES` are split by token over a thread pool;
 a smaller part is faster on one thread than handed to the pool (H200 host,
-bench/cuda/README.md, late-run12). Ordinary stores only: the flag that follows needs no
+docs/history.md, the late pull). Ordinary stores only: the flag that follows needs no
 `sfence` on x86-64.
 """
 

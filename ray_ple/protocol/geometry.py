@@ -128,7 +128,7 @@ def split_layers(num_layers: int, parts: Parts, resident_layers: int = 0) -> tup
     8, 26; E2B's 35 -> 1, 2, 4, 8, 20). A small first
     part is up before layer 0's gate even at thousands of tokens; each later part's gather
     has its predecessors' layers to hide behind, which grow as fast as the parts do; and
-    few parts keep the forks, waits and joins few (bench/cuda/README.md, late-run13).
+    few parts keep the forks, waits and joins few (docs/history.md, the late pull).
     """
     offloads = f"the table's row offloads {num_layers} layers" + (
         f" (after ple.resident_layers={resident_layers})" if resident_layers else "")
