@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the CUDA transport's proof on a GPU machine: environment, memlock probes, the GPU test
-# module, and the benchmark. Everything goes to $OUT (default: bench/cuda/results/latest).
+# module, and the benchmarks (each run as a module from the repository root). Everything goes to $OUT (default: bench/cuda/results/latest).
 #
 #   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks|model|gather]
 #
@@ -33,10 +33,10 @@ fi
 
 if [[ $WHAT == all || $WHAT == memlock ]]; then
   stage "memlock probes"
-  SLOTS=$(python3 -c 'import sys; sys.path.insert(0, "."); from ray_ple.protocol.layout import PairLayout
+  SLOTS=$(python3 -c 'from ray_ple.protocol.layout import PairLayout
 print(PairLayout.compute(8192, (17920,)).size)')
   TABLE=$((262144 * 17920 + 4096))
-  P="timeout 120 python3 bench/cuda/memlock_probe.py"
+  P="timeout 120 python3 -m bench.cuda.memlock_probe"
   : > "$OUT/memlock.jsonl"
   for B in "$SLOTS" "$TABLE"; do
     $P --bytes "$B" --label "root, default limits" | tee -a "$OUT/memlock.jsonl"
@@ -56,7 +56,7 @@ fi
 
 if [[ $WHAT == all || $WHAT == bench ]]; then
   stage benchmark
-  timeout 400 python3 bench/cuda/bench_pull.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout 400 python3 -m bench.cuda.bench_pull --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
     | grep -v '^{"ray_ple"' | tee "$OUT/bench.txt"
   rm -rf /dev/shm/ray-ple-bench
 fi
@@ -68,7 +68,7 @@ if [[ $WHAT == all || $WHAT == bench-nt ]]; then
   stage "benchmark, offload with GLIBC_TUNABLES non-temporal rows"
   NT=glibc.cpu.x86_non_temporal_threshold=16449
   GLIBC_TUNABLES=$NT /lib64/ld-linux-x86-64.so.2 --list-tunables 2>&1 | grep non_temporal
-  timeout 400 python3 bench/cuda/bench_pull.py --out "$OUT/bench_nt.json" \
+  timeout 400 python3 -m bench.cuda.bench_pull --out "$OUT/bench_nt.json" \
     --offload-env GLIBC_TUNABLES=$NT ${BENCH_ARGS:-} 2>&1 | grep -v '^{"ray_ple"' \
     | tee "$OUT/bench_nt.txt"
   rm -rf /dev/shm/ray-ple-bench
@@ -80,7 +80,7 @@ if [[ $WHAT == all || $WHAT == two-ranks ]]; then
   stage "two ranks on one GPU"
   nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
     --format=csv | tee "$OUT/two_ranks_env.txt"
-  timeout 380 python3 bench/cuda/bench_two_ranks.py --out "$OUT" --budget-s 240 \
+  timeout 380 python3 -m bench.cuda.bench_two_ranks --out "$OUT" --budget-s 240 \
     ${TWO_RANKS_ARGS:-} 2>&1 | tee "$OUT/two_ranks_log.txt" | grep -v '^{"ray_ple"'
   rm -rf /dev/shm/ray-ple-two-ranks
 fi
@@ -88,7 +88,7 @@ if [[ $WHAT == all || $WHAT == model ]]; then
   # issue 12: the late pull on an E4B-shaped forward and on bench_pull's synthetic consumer
   # (bench/cuda/README.md, "The late pull"); JSON lines in $OUT/model.jsonl
   stage "late pull, model-shaped consumer"
-  timeout "${MODEL_TIMEOUT:-360}" python3 bench/cuda/bench_model.py --out "$OUT" \
+  timeout "${MODEL_TIMEOUT:-360}" python3 -m bench.cuda.bench_model --out "$OUT" \
     ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model_log.txt" | grep -v '^{"ray_ple"' \
     | tee "$OUT/model.txt"
   rm -rf /dev/shm/ray-ple-bench-model
@@ -97,7 +97,7 @@ if [[ $WHAT == all || $WHAT == gather ]]; then
   # the offload side's gather alone on this host's CPU (no GPU): parts by unit take vs fancy
   # indexing, 1 and 8 threads, the node table as held (memfd) and anonymous huge pages
   stage "gather on the host CPU"
-  timeout "${GATHER_TIMEOUT:-240}" python3 bench/cpu/bench_gather.py --out "$OUT" \
+  timeout "${GATHER_TIMEOUT:-240}" python3 -m bench.cpu.bench_gather --out "$OUT" \
     ${GATHER_ARGS:---rows 262144 --tokens 1 64 256 1024 8192 --threads 1 8 --reps 40 --tables memfd anon_huge} \
     2>&1 | tee "$OUT/gather.txt"
 fi

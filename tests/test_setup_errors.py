@@ -214,21 +214,3 @@ def test_shm_too_small_for_the_slots(tmp_path):
         start_offload(spec_for(path, max_tokens=1 << 40))
     assert ple_shm_entries() == []
 
-
-def test_cuda_options_from_the_environment_are_checked(monkeypatch):
-    """The worker's RAY_PLE_CUDA_* knobs: defaults, a value taken, and a bad one refused as
-    one `PleConfigError` naming the field (read by the CUDA transport and the late class)."""
-    from ray_ple.worker.transport.cuda import PIECEWISE_STARTS_ENV, CudaOptions
-
-    for name in ("RAY_PLE_CUDA_COPY", PIECEWISE_STARTS_ENV):
-        monkeypatch.delenv(name, raising=False)
-    assert CudaOptions.from_env().piecewise_starts == "in_piece"
-    monkeypatch.setenv(PIECEWISE_STARTS_ENV, "eager")
-    assert CudaOptions.from_env().piecewise_starts == "eager"
-    monkeypatch.setenv(PIECEWISE_STARTS_ENV, "early")
-    with pytest.raises(PleConfigError, match="bad piecewise_starts"):
-        CudaOptions.from_env()
-    monkeypatch.delenv(PIECEWISE_STARTS_ENV)
-    monkeypatch.setenv("RAY_PLE_CUDA_COPY", "fast")
-    with pytest.raises(PleConfigError, match="bad copy_mode"):
-        CudaOptions.from_env()

@@ -130,54 +130,6 @@ def test_late_pull_in_parts_compiled_identical_to_plain_with_a_smaller_ple_vocab
     assert problems == [] and near_ties <= 4
 
 
-@pytest.mark.parametrize(("mode", "split"), [("FULL_AND_PIECEWISE", True), ("PIECEWISE", True),
-                                             ("FULL", True), ("FULL_DECODE_ONLY", True),
-                                             ("NONE", False)])
-def test_part_pull_starts_are_one_eager_segment_of_vllms_piecewise_graphs(mode: str,
-                                                                          split: bool):
-    """Wherever vLLM's graphs may be piecewise (any mode that captures: the runner may turn
-    FULL into FULL_AND_PIECEWISE later), the trial setting adds `ray_ple::pull_async` to the
-    splitting ops vLLM resolved (once); vLLM's own `split_graph` then puts every part's
-    start, as `start_parts` traces them (buffers first, starts after), into one eager
-    segment between the first piece and the layers' pieces."""
-    from types import SimpleNamespace
-
-    import torch
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from vllm.compilation.backends import split_graph
-    from vllm.config import CompilationConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-
-    from ray_ple.worker.vllm_plugin.late_gemma4 import (
-        PULL_START_OP,
-        LateGemma4Model,
-        split_at_pull_starts,
-    )
-
-    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                           cudagraph_mode=CUDAGraphMode[mode])
-    cc.set_splitting_ops_for_v1("allgather_reducescatter")
-    resolved = list(cc.splitting_ops)
-    assert split_at_pull_starts(cc) is split and split_at_pull_starts(cc) is split
-    assert cc.splitting_ops == (resolved + [PULL_START_OP] if split else resolved)
-    if not split:
-        return
-    m = SimpleNamespace(resident_table=torch.zeros(6, 4, device="meta"), resident_loaded=True,
-                        vocab_size_per_layer_input=6, late_slot_names=(None, "t#0", "t#1",
-                                                                       "t#2"),
-                        late_slot_elems=(4, 4, 8, 12),
-                        embed_tokens_per_layer=SimpleNamespace(dtype=torch.bfloat16))
-    m._resident_rows = lambda ids: LateGemma4Model._resident_rows(m, ids)
-    gm = make_fx(lambda ids: LateGemma4Model.start_parts(m, ids))(
-        torch.zeros(3, dtype=torch.int64, device="meta"))
-    _, items = split_graph(gm, cc.splitting_ops)
-    ops = [[str(n.target) for n in it.graph.graph.nodes if n.op == "call_function"]
-           for it in items]
-    assert [it.is_splitting_graph for it in items] == [False, True]
-    assert ops[1] == ["ray_ple.pull_async.default"] * 3
-    assert "aten.embedding.default" in ops[0] and ops[0].count("aten.empty.memory_format") == 3
-
-
 def test_resident_columns_are_taken_once_from_the_whole_table_or_refused():
     """`load_resident` keeps the first layers' columns of exactly the geometry's table, once;
     a forward before any load (a loader that never calls `load_weights`) is refused."""
@@ -186,7 +138,7 @@ def test_resident_columns_are_taken_once_from_the_whole_table_or_refused():
     import torch
 
     from ray_ple.errors import PleModelError
-    from ray_ple.worker.vllm_plugin.late_gemma4 import LateGemma4Model
+    from ray_ple.worker.vllm_plugin.gemma4 import PleOffloadGemma4Model
 
     def model() -> SimpleNamespace:
         return SimpleNamespace(resident_table=torch.zeros(6, 8), resident_loaded=False,
@@ -195,12 +147,12 @@ def test_resident_columns_are_taken_once_from_the_whole_table_or_refused():
 
     table = torch.arange(6 * 12, dtype=torch.float32).reshape(6, 12)
     m = model()
-    LateGemma4Model.load_resident(m, table.to(torch.bfloat16))
+    PleOffloadGemma4Model.load_resident(m, table.to(torch.bfloat16))
     assert m.resident_loaded and torch.equal(m.resident_table, table[:, :8])
     with pytest.raises(PleModelError, match="second PLE table"):
-        LateGemma4Model.load_resident(m, table)
+        PleOffloadGemma4Model.load_resident(m, table)
     for wrong in (table[:, :8], table[:5], table.reshape(6, 3, 4)):
         with pytest.raises(PleModelError, match="is not the 6 x 12 table"):
-            LateGemma4Model.load_resident(model(), wrong)
+            PleOffloadGemma4Model.load_resident(model(), wrong)
     with pytest.raises(PleModelError, match="never loaded"):
-        LateGemma4Model.start_parts(model(), torch.zeros(2, dtype=torch.int64))
+        PleOffloadGemma4Model.start_parts(model(), torch.zeros(2, dtype=torch.int64))

@@ -20,13 +20,10 @@ import argparse
 import json
 import mmap
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a checkout, not installed
 
 from ray_ple.offload import gather as gather_module
 from ray_ple.offload.gather import RowGatherer

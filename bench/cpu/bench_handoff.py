@@ -22,16 +22,12 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.rig
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offload
 
 TOKENS = (1, 8, 64, 256)
 # (name, rows, layers, ple_dim): the small preset's table, and a Gemma 4 E4B row (42 x 256
@@ -129,7 +125,7 @@ def run_geometry(name: str, rows: int, layers: int, ple_dim: int, mode: str, ste
 
 
 def summarize(worker: list[list[Any]], offload: list[list[Any]]) -> dict[str, Any]:
-    from bench_offload import handoff_row, join_steps
+    from bench.cpu.bench_offload import handoff_row, join_steps
 
     return handoff_row(join_steps(worker, offload))
 

@@ -1,8 +1,8 @@
 """The worker's post alone: what `WorkerEnd.begin` + `must_ring` cost the host per step.
 
 The post sits between the engine's read of its sampled ids and the launch of the forward, so
-on a GPU every microsecond of it is a microsecond of the step (bench/cuda/README.md, the
-late pull's `host_post_us`). Measured on a real pair segment in shared memory with the real
+on a GPU every microsecond of it is a microsecond of the step (`bench_model.py`'s
+`host_post_us`). Measured on a real pair segment in shared memory with the real
 `WorkerEnd`; the offload side's part of each step (every slot's `published`, then the
 consumer's `released`) is written straight into its words, as tests/test_transaction_rules.py
 does. Per slot count P and token count T, `post_ns`: the best of `--repeat` runs of
@@ -70,7 +70,7 @@ def _post_ns(p: int, t: int, number: int, repeat: int, modes: tuple[str, ...], s
         worker = WorkerEnd(block, 0, PleDeadlines(), tuple(f"t#{i}" for i in range(p)))
         published = np.ndarray((p,), np.uint64, seg.map, layout.published_offsets[0],
                                strides=(SLOT_STRIDE,))
-        ids = np.arange(t, dtype=np.int64)
+        ids = np.arange(t, dtype=np.int32)
 
         def offload_side(s: int) -> None:
             published[:] = s

@@ -1,7 +1,7 @@
 """What the worker's doorbell costs the ringer: the wake-up, or the primitive?
 
 In a served step `Doorbell.ring` is the largest single part of ray-ple's bracket (15-22 us,
-bench/cpu/README.md, serve-run15-calls). Here the ringer (bound to core 0, as vLLM-CPU binds
+bench/cpu/results/serve-run15-calls). Here the ringer (bound to core 0, as vLLM-CPU binds
 its worker) times one wake call of a sleeper bound to core 1 (as the offload actor moves
 itself off the worker's cores), every 2 ms so that the sleeper is asleep each time:
 
@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ray_ple.protocol.doorbell import Doorbell, DoorbellListener  # noqa: E402
+from ray_ple.protocol.doorbell import Doorbell, DoorbellListener
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.syscall.restype = ctypes.c_long

@@ -15,8 +15,8 @@ vLLM readers stop their 1 s spin, so that neither side shares its worker's core 
 other engine's worker.
 
 Both applications stay up throughout, so the idle one's background work (the `ple` side's
-supervisor and offload actor, a few % of a core) falls on both sides; bench/cpu/README.md
-also records each side served alone, one after the other.
+supervisor and offload actor, a few % of a core) falls on both sides; `--only` serves one
+side alone.
 
     python bench/cpu/bench_serve.py --out bench/cpu/results/<run> --rounds 7
 
@@ -210,8 +210,7 @@ def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
 def served_handoff(timing_dir: Path) -> list[dict[str, Any]]:
     """Per T, the served pair's hand-off stages (bench_offload's table), from the event files
     of the worker (posts, pulls) and of the offload actor (wake-ups, gathers)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_offload import handoff_table, join_steps
+    from bench.cpu.bench_offload import handoff_table, join_steps
 
     worker: list[list[Any]] = []
     offload: list[list[Any]] = []
@@ -340,8 +339,8 @@ def sched_summary(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[st
 
 def summarize(rows: list[dict[str, Any]], sides: tuple[str, ...]) -> dict[str, Any]:
     """Per metric, each side's median over rounds and the median of the rounds' ratios
-    (with its bootstrap interval); the engine processes' scheduler figures (runs from
-    serve-run14 on: earlier runs joined both engines' processes by name)."""
+    (with its bootstrap interval); the engine processes' scheduler figures (each process
+    named by its application: both engines' processes have the same names)."""
     summary: dict[str, Any] = {}
     for m in METRICS if rows else ():
         summary[m] = {f"{s}_median": statistics.median(r[s][m] for r in rows) for s in sides}
@@ -374,7 +373,7 @@ def main() -> None:
                     "and the engine core's) spin for 1 s after their last message, and both "
                     "engines' workers are bound to the same core, so without the pause the "
                     "side measured second shares that core with the other's spinning worker "
-                    "(serve-run12/13). 0 measures as serve-run11 to 13 did")
+                    "(0: no pause)")
     ap.add_argument("--summarize", action="store_true",
                     help="serve nothing: rewrite OUT/summary.json from OUT/rounds.jsonl")
     a = ap.parse_args()
@@ -386,7 +385,6 @@ def main() -> None:
         return
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(ENV)
-    sys.path.insert(0, str(REPO))
     from ray_ple.tiny_model import resolve
 
     base = yaml.safe_load(a.config.read_text())

@@ -1,6 +1,6 @@
 """What one decode step of the pair costs each side in CPU time, for this code and another.
 
-On a machine whose cores every process of a served engine shares (the 2-core kind of
+On a machine whose cores every process of a served engine shares (the 2-core VMs of
 bench/cpu/README.md), CPU time spent by either side of the pair is time the engine waits
 for: the worker's bracket (post, doorbell, pull, release) sits on the worker's core, and
 the offload actor's wake-up, gather and publish sit on the core of the engine core and Serve.

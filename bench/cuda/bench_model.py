@@ -38,14 +38,12 @@ layers 1-41 in parts of 1, 2, 4, 8, 26, so nothing is posted, gathered or copied
 With `--extra piecewise`, the same forward as vLLM's piecewise CUDA graphs run it (mixed
 prefill batches; `_pw`, all with async scheduling): one captured piece for the embedding and
 the row buffers, one per layer (vLLM splits at each attention, left out here) and one for the
-check, eager Python between them. `A_pw_as`, `B_pw_as` (table on the GPU, UVA), `L_in_pw_sp_as`
-(each part waited for and copied in its piece, on the model stream: a `pull_async` captured
-inside a piece), `L_pw_sp_as` and `R_pw_sp_as` (the starts run eagerly between the first
-piece and the layers' pieces, as the late class makes them a vLLM splitting op; each piece
-joins its part as an external event; R with layer 0 resident), `L_pwj_sp_as` (the joins
-eager too, each a segment of its own: no external event node in a graph). The transaction
-is not told which graph replayed (vLLM does not): the release finds the capture by its token
-count.
+check, eager Python between them. `A_pw_as`, `B_pw_as` (table on the GPU, UVA) and
+`L_in_pw_sp_as` (each part waited for and copied in its piece, on the model stream: a
+`pull_async` captured inside a piece starts nothing).
+
+No variant tells the transaction which graph replayed (vLLM does not): the release finds a
+capture by the step's token count.
 
 With `--extra ahead`, also A, B and L_sp as vLLM's async scheduling runs them (`_as`): the
 host never reads the ids and enqueues step s+1 while step s runs (it waits only for step
@@ -53,7 +51,7 @@ s-1 to have finished, one step of look-ahead, as vLLM waits for the sampled toke
 step before). L and L_lf cannot run so: their host post needs the step's ids on the host.
 
 The offload side of C and L is the project's offload actor in separate CPU-only processes
-(`tests/gpu/cuda_rig.OffloadProcess`, `gather_threads` numpy threads), the two sharing the
+(`tests.gpu.cuda_rig.OffloadProcess`, `gather_threads` numpy threads), the two sharing the
 node's one table copy. The synthetic consumer is `bench_pull`'s (`cuda_rig.StandIn`: the
 row check, a small matmul, the next ids) for A, B, C and its late form
 (`cuda_rig.LateStandIn`) for L. Output: one JSON object per measurement (`consumer`, `T`,
@@ -61,6 +59,8 @@ row check, a small matmul, the next ids) for A, B, C and its late form
 
 `--tiny` runs the same code on CPU (transport 'cpu', eager, a narrow model, no B) as a
 smoke test of everything but the GPU.
+
+Run from the repository root: `python -m bench.cuda.bench_model --out <dir>`.
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ import json
 import mmap
 import os
 import shutil
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +80,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cuda_rig as rig
-
 import ray_ple.worker.ops  # noqa: F401 - registers pull, pull_async, pull_wait
 from ray_ple.protocol.shm import page_align
+from ray_ple.worker.transport import cuda as cuda_transport
+from tests.gpu import cuda_rig as rig
 
 LAYERS, D = 42, 256
+COPY_CONSTANTS = ("SM_COPY_MAX_BYTES", "LATE_SM_COPY_MAX_BYTES", "LATE_COPY_BLOCKS")
 RESIDENT_SPLIT = (1, 1, 2, 4, 8, 26)  # `R`: layer 0 resident, then `auto`'s parts of 41
 ROW_ELEMS = LAYERS * D
 ROW_BYTES = ROW_ELEMS * 2
@@ -136,19 +134,11 @@ class Whole:
     def start(self, ids: torch.Tensor) -> torch.Tensor:
         return self.fetch(ids)
 
-    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        """Piecewise: what the first piece computes, and what runs eagerly after it."""
-        return self.start(ids), _nothing
-
     def layer(self, st: torch.Tensor, layer: int) -> torch.Tensor:
         return st[:, layer * D:(layer + 1) * D]
 
     def check(self, st: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return rig.wrong_words(st.view(torch.int32), ids, self.cols)
-
-
-def _nothing() -> None:
-    return None
 
 
 class Late:
@@ -161,11 +151,6 @@ class Late:
 
     def start(self, ids: torch.Tensor) -> Any:
         return self.m.pull(ids)
-
-    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        """Piecewise: the buffers in the first piece, the starts eagerly after it."""
-        buf = self.m.buffers(ids)
-        return buf, lambda: self.m.start(buf)
 
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         p, k = self.at[layer]
@@ -185,29 +170,11 @@ class Inline(Late):
     def start(self, ids: torch.Tensor) -> Any:
         return self.m.buffers(ids)
 
-    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        return self.start(ids), _nothing
-
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         p, k = self.at[layer]
         if k == 0:
             torch.ops.ray_ple.pull(buf[p], self.m.slots[p][0])
         return buf[p][:, k * D:(k + 1) * D]
-
-
-class LateEagerJoins(Late):
-    """L_pwj (`--extra piecewise`): L_pw with each part's join an eager segment of its own,
-    just before the piece of its first layer (`pull_wait` a splitting op too): a plain event
-    wait issued by the host between pieces, no external event node in any graph."""
-
-    def layer(self, buf: Any, layer: int) -> torch.Tensor:
-        p, k = self.at[layer]
-        return buf[p][:, k * D:(k + 1) * D]
-
-    def join_before(self, layer: int) -> int | None:
-        """The part whose join runs eagerly before `layer`'s piece, if any."""
-        p, k = self.at[layer]
-        return p if k == 0 else None
 
 
 class HeadLate(Late):
@@ -257,12 +224,7 @@ class Resident(Late):
         self.maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def start(self, ids: torch.Tensor) -> Any:
-        (head, parts), start = self.start_pieces(ids)
-        start()
-        return head, parts
-
-    def start_pieces(self, ids: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        """The head's lookup and the part buffers; the parts' starts (eager, piecewise)."""
+        """The head's lookup, the part buffers, then every part's start."""
         t, m = ids.shape[0], self.m
         parts = rig.PartBuffers()
         parts.flat = torch.empty(t * (self.head_words + sum(m.widths)) * 2,
@@ -273,7 +235,8 @@ class Resident(Late):
         for w in m.widths:
             parts.append(parts.flat[at:at + t * w * 2].view(t, w * 2))
             at += t * w * 2
-        return (head, parts), lambda: m.start(parts)
+        m.start(parts)
+        return head, parts
 
     def layer(self, buf: Any, layer: int) -> torch.Tensor:
         head, parts = buf
@@ -355,7 +318,7 @@ class UvaRows(torch.nn.Module):
 
     def __init__(self, table_dev: int, rows: int, device: int, elems: int = ROW_ELEMS) -> None:
         super().__init__()
-        from uva_gather import UvaGather
+        from bench.cuda.uva_gather import UvaGather
 
         self.table_dev, self.rows, self.k = table_dev, rows, UvaGather(device)
         self.elems = elems
@@ -385,6 +348,20 @@ def pull_whole(ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def copy_constants(update: dict[str, int]) -> Iterator[None]:
+    """The CUDA transport's copy constants set to `update` for the duration (a graph takes
+    them at its capture), restored after."""
+    saved = {k: getattr(cuda_transport, k) for k in update}
+    for k, v in update.items():
+        setattr(cuda_transport, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cuda_transport, k, v)
+
+
 # the closed loop ------------------------------------------------------------------------------
 class Loop:
     """One forward captured in a CUDA graph (eager on CPU), stepped closed loop."""
@@ -395,7 +372,7 @@ class Loop:
         self.dev = ids0.device
         self.cuda = self.dev.type == "cuda"
         self.ids, self.err = ids0.clone(), torch.zeros((), dtype=torch.int64, device=self.dev)
-        self.host_ids = torch.empty(ids0.shape[0], dtype=torch.int64, pin_memory=self.cuda)
+        self.host_ids = torch.empty(ids0.shape[0], dtype=torch.int32, pin_memory=self.cuda)
         self.host_ids.copy_(ids0)
         self.ids32 = ids0.to(torch.int32)  # what a stream post reads (vLLM's int32 ids)
         self.record = self.captured = self.pieces = None
@@ -418,22 +395,22 @@ class Loop:
                 self.err.add_(bad)
                 self.ids.copy_(nxt)
                 self.ids32.copy_(nxt)
-                self.host_ids.copy_(nxt, non_blocking=True)
+                self.host_ids.copy_(self.ids32, non_blocking=True)
         if pair is not None:
-            self.record = pair.transport.last_capture
+            self.record = rig.newest_capture(pair, ids0.shape[0])
         self.err.zero_()
         self.ids.copy_(ids0)
         torch.cuda.synchronize()
 
     def _capture_pieces(self, stack: Stack, ids0: torch.Tensor) -> None:
         """`stack` as vLLM's piecewise graphs run it (`--extra piecewise`): the first piece
-        (embedding, row buffers), the source's eager starts, a piece per layer, a last piece
-        (check, next ids); captured as one local forward, replays declared to no one."""
+        (embedding, row buffers), a piece per layer, a last piece (check, next ids);
+        captured as one local forward, replays declared to no one."""
         pair, s = self.pair, {}
 
         def head() -> None:
             s["h"] = stack.w.embed[self.ids % EMBED_ROWS]
-            s["st"], s["start"] = stack.src.start_pieces(self.ids)
+            s["st"] = stack.src.start(self.ids)
 
         def layer(k: int) -> None:
             s["h"] = stack.layer(s["h"], s["st"], k)
@@ -443,23 +420,16 @@ class Loop:
             self.err.add_(bad)
             self.ids.copy_(nxt)
             self.ids32.copy_(nxt)
-            self.host_ids.copy_(nxt, non_blocking=True)
+            self.host_ids.copy_(self.ids32, non_blocking=True)
 
-        segs = [(True, head), (False, lambda: s["start"]())]
-        join_before = getattr(stack.src, "join_before", lambda _: None)
-        for k in range(LAYERS):
-            if (p := join_before(k)) is not None:
-                segs.append((False, lambda p=p: stack.src.m.wait(s["st"], p)))
-            segs.append((True, lambda k=k: layer(k)))
+        segs = [(True, head), *((True, lambda k=k: layer(k)) for k in range(LAYERS))]
         self.pieces = rig.Pieces([*segs, (True, end)])
         reg = rig.registered(pair) if pair else contextlib.nullcontext()
         local = pair.local_forward() if pair else contextlib.nullcontext()
-        if pair is not None:  # a capture that copies and joins nothing (L_pwj) stores none
-            pair.transport.last_capture = None
         with reg, local:
             self.pieces.capture()
         if pair is not None:
-            self.captured = pair.transport.last_capture
+            self.captured = rig.newest_capture(pair, ids0.shape[0])
         self.err.zero_()
         self.ids.copy_(ids0)
         self.ids32.copy_(ids0)
@@ -514,8 +484,6 @@ class Loop:
                     t0 = time.perf_counter()
                     with pair.stream_step(self.ids32):
                         posts.append(time.perf_counter() - t0)
-                        if self.record is not None:
-                            pair.transport.replayed(self.record)
                         self._forward()
                     if ahead:
                         done[i].record()
@@ -529,8 +497,6 @@ class Loop:
                                       for i in range(len(pair.handle.layer_names))):
                         pass
                     posts.append(time.perf_counter() - t0)  # pre: the post and the gather
-                    if self.record is not None:
-                        pair.transport.replayed(self.record)
                     if not launch_first:
                         self._forward()
             sync()
@@ -611,7 +577,7 @@ class Bench:
     def serve(self, ckpt: Path, geo: Any, label: str) -> dict[bool, Any]:
         """Offload processes serving `geo`, one per gather width (`gather_threads` for the
         decode sizes, `gather_threads_big` above 256 tokens: a pool per part costs more than
-        it saves on small steps, bench/cuda/README.md), and this process's pair of each."""
+        it saves on small steps, docs/history.md), and this process's pair of each."""
         pairs: dict[bool, Any] = {}
         for big, threads in {False: self.a.gather_threads, True: self.a.gather_threads_big}.items():
             off = rig.OffloadProcess(ckpt.parent, geo, spin_us=self.a.spin_us,
@@ -675,9 +641,8 @@ class Bench:
         if loop.record is not None:
             row["copies"] = sorted({f"{c.mode}{'-late' if c.late else ''}"
                                     for c in loop.record.copies})
-        if loop.captured is not None:  # piecewise: what the pieces copy and join
+        if loop.captured is not None:  # piecewise: what the pieces copy
             row["copies"] = sorted({c.mode for c in loop.captured.copies})
-            row["joins"] = len(loop.captured.joins)
         self.emit(**row)
         del loop
         if self.device.type == "cuda":
@@ -700,20 +665,13 @@ class Bench:
 
     def piecewise_runs(self, t: int, srcs: dict[str, tuple[Any, Any]], main_stack: Stack,
                        main: tuple[int, ...]) -> list[tuple[str, Stack, Any, tuple[int, ...]]]:
-        """`--extra piecewise`: A, B, the in-piece pulls, the eager starts and the resident
-        layer, each as vLLM's piecewise graphs run a mixed prefill batch."""
+        """`--extra piecewise`: A, B and the in-piece pulls, each as vLLM's piecewise graphs
+        run a mixed prefill batch."""
         pair = self.pairs[main, t > 256]
         inline = Stack(self.weights, Inline(self.late_source(main, indexed=True).m), self.rows)
         runs = [(f"{name}_pw_as", Stack(self.weights, srcs[name][0], self.rows), None,
                  (LAYERS,)) for name in ("A", "B")]
-        eager_joins = Stack(self.weights, LateEagerJoins(self.late_source(main).m), self.rows)
-        runs += [("L_in_pw_sp_as", inline, pair, main), ("L_pw_sp_as", main_stack, pair, main),
-                 ("L_pwj_sp_as", eager_joins, pair, main)]
-        if "resident" in self.a.extra:
-            src = Resident(rig.LateStandIn(self.rows, self.geos[RESIDENT_SPLIT], ROW_ELEMS,
-                                           indexed=True).to(self.device), self.head_gpu)
-            runs.append(("R_pw_sp_as", Stack(self.weights, src, self.rows),
-                         self.resident_pairs[t > 256], RESIDENT_SPLIT))
+        runs.append(("L_in_pw_sp_as", inline, pair, main))
         return runs
 
     def over_budget(self) -> bool:
@@ -743,32 +701,32 @@ class Bench:
                 return
 
     def late_specs(self) -> dict[str, dict[str, int]]:
-        """`--late-options` as {name: CudaOptions fields}."""
+        """`--late-options` as {name: {copy constant of the CUDA transport: value}}."""
         specs = {}
         for spec in filter(None, self.a.late_options.split(";")):
             name, _, fields = spec.partition(":")
-            specs[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split(",") if f)}
+            specs[name] = {k.upper(): int(v)
+                           for k, v in (f.split("=") for f in fields.split(",") if f)}
+            unknown = [k for k in specs[name] if k not in COPY_CONSTANTS]
+            if unknown:
+                raise ValueError(f"--late-options {name}: {unknown} not in {COPY_CONSTANTS}")
         return specs
 
     def late_caps(self, t: int, late: torch.nn.Module, pair: Any, n: int, warm: int,
                   parts: int) -> None:
-        """`L` under each set of `--late-options` (`CudaOptions` fields, baked into the graph
-        at capture), interleaved over `--cap-rounds` rounds in this one process."""
+        """`L` under each set of `--late-options` (the transport's copy constants, baked
+        into the graph at capture), interleaved over `--cap-rounds` rounds in this process."""
         specs = self.late_specs()
-        if not specs or pair is None or not hasattr(pair.transport, "options"):
+        if not specs or pair is None or pair.transport.name != "cuda":
             return
-        default = pair.transport.options
-        try:
-            for r in range(self.a.cap_rounds):
-                for name in list(specs) if r % 2 == 0 else list(specs)[::-1]:
-                    pair.transport.options = default.model_copy(update=specs[name])
+        for r in range(self.a.cap_rounds):
+            for name in list(specs) if r % 2 == 0 else list(specs)[::-1]:
+                with copy_constants(specs[name]):
                     self.measure("model", t, f"L_{name}", late, pair, n, warm, parts=parts,
                                  round=r, options=specs[name])
                     if "pre" in self.a.extra:  # the GPU side alone under these options
                         self.measure("model", t, f"L_pre_{name}", late, pair, n, warm,
                                      pre=True, parts=parts, round=r, options=specs[name])
-        finally:
-            pair.transport.options = default
 
     def run_parts(self) -> None:
         """The model's L at other part counts (both orders), at fewer token counts."""
@@ -839,17 +797,11 @@ class Bench:
             for r in range(a.split_rounds):
                 for name, model, pair, sp in (runs if r % 2 == 0 else runs[::-1]):
                     o = name.removeprefix("L_sp_as_") if name.startswith("L_sp_as_") else None
-                    default = pair.transport.options if o else None
-                    if o:
-                        pair.transport.options = default.model_copy(update=opts[o])
-                    try:
+                    with copy_constants(opts[o] if o else {}):
                         self.measure("model", t, name, model, pair, n, warm, name == "L_lf",
                                      stream="_sp" in name, ahead=o is not None or
                                      name.endswith("_as"),
                                      parts=sp, round=r, **({"options": opts[o]} if o else {}))
-                    finally:
-                        if o:
-                            pair.transport.options = default
                 if self.over_budget():
                     print(json.dumps({"skipped": "budget", "splits_after_T": t, "round": r}),
                           flush=True)
@@ -916,7 +868,6 @@ def run_turnaround(b: Bench) -> None:
                         for j in [j for j in pending if int(flags[j][0]) == 1]:
                             seen[j].append(now - t0)
                             pending.remove(j)
-                    pair.transport.replayed(loop.record)
                     loop.graph.replay()
             torch.cuda.synchronize()
             b.emit(consumer="turnaround", T=t, variant="C" if len(p) == 1 else "L",
@@ -987,8 +938,7 @@ def main() -> None:
     ap.add_argument("--gather-threads-big", type=int, default=8, help="offload, T > 256")
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--extra", default="", help="comma list: piecewise (A_pw_as, B_pw_as, "
-                    "L_in_pw_sp_as, L_pw_sp_as, L_pwj_sp_as, R_pw_sp_as with resident: "
-                    "vLLM's piecewise graphs), inline (L_in, L_in_sp), ahead "
+                    "L_in_pw_sp_as: vLLM's piecewise graphs), inline (L_in, L_in_sp), ahead "
                     "(A_as, B_as, L_sp_as, L_in_sp_as: async "
                     "scheduling), pre (C_pre, L_pre: launched once "
                     "the host sees every part published, so no GPU wait is on the path), "
@@ -996,9 +946,10 @@ def main() -> None:
                     "device or registered host memory; needs --parts 1+...), resident "
                     "(R_sp_as: ple.resident_layers 1, the pair offloading layers 1-41)")
     ap.add_argument("--variants", default="", help="comma list: measure only these")
-    ap.add_argument("--late-options", default="", help="NAME:field=int,...;... CudaOptions "
-                    "for L, measured as L_NAME, interleaved over --cap-rounds (e.g. "
-                    "'u:;b4:late_copy_blocks=4;dma:late_sm_max_bytes=0')")
+    ap.add_argument("--late-options", default="", help="NAME:CONSTANT=int,...;... copy "
+                    "constants of ray_ple.worker.transport.cuda for L, measured as L_NAME, "
+                    "interleaved over --cap-rounds (e.g. "
+                    "'u:;b4:LATE_COPY_BLOCKS=4;sm:LATE_SM_COPY_MAX_BYTES=1048576')")
     ap.add_argument("--cap-rounds", type=int, default=4)
     ap.add_argument("--splits", default="", help="comma list of splits (as --parts) measured "
                     "as L_<split>, interleaved with A, B and L over --split-rounds")

@@ -6,7 +6,6 @@ Variants (row = 35 x 256 bf16 = 17,920 B; the table has 262,144 rows = 4.7 GB):
     B        UVA zero-copy gather kernel from the page-locked host table
     C_loop   this project's pull: offload actor in another process, ids produced by the
              previous GPU step; release enqueued after the replay (the vLLM hook's order)
-    C_loop_g the same with the release captured in the graph (one launch per step)
     C_ahead  ids known ahead (host), the next step posted as soon as `released` moves
     D        naive: host sync, CPU gather from the pageable table, pageable copy
 
@@ -16,6 +15,8 @@ one closed-loop decode step: wait for the previous step, read its ids on the hos
 launch. The per-step wall time is what a decode engine sees; "added" is its median minus A's.
 A second section times the slot copy alone (fresh from the writer, and re-read), and the
 offload turnaround (post -> flag seen by the host).
+
+Run from the repository root: `python -m bench.cuda.bench_pull --out <file>`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import json
 import mmap
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-import cuda_rig as rig
-from uva_gather import UvaGather
-
 import ray_ple.worker.ops  # noqa: F401 - registers ray_ple::pull
+from bench.cuda.uva_gather import UvaGather
 from ray_ple.protocol.shm import page_align
+from ray_ple.worker.transport import cuda as cuda_transport
 from ray_ple.worker.transport.cuda_host import check, driver, register_host
+from tests.gpu import cuda_rig as rig
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 
@@ -113,7 +112,8 @@ class PlainGraph:
 
 
 class AheadGraph:
-    """C_ahead: ids come from the host; the graph pulls, then copies the posted ids in."""
+    """C_ahead: ids come from the host; the graph pulls, then copies the posted ids in; the
+    release follows the replay (the transport's, as every step's)."""
 
     def __init__(self, pair: Any, model: rig.StandIn, t: int) -> None:
         self.pair, self.model, self.t = pair, model, t
@@ -125,15 +125,13 @@ class AheadGraph:
             rows = model.ple(self.ids)
             self.ids.copy_(self.staged, non_blocking=True)  # after the wait: posted ids
             self.err.add_(rig.wrong_words(rows.view(torch.int32), self.ids, model.cols))
-            pair.transport.capture_release()
-        self.record = pair.transport.last_capture
         torch.cuda.synchronize()
 
     def run(self, n: int, stamps: list[float], rng: np.random.Generator) -> int:
         pair, block = self.pair, self.pair.block
         host = self.staged.numpy()
         for _ in range(n):
-            ids = rng.integers(0, self.model.rows, size=self.t, dtype=np.int64)
+            ids = rng.integers(0, self.model.rows, size=self.t, dtype=np.int32)
             deadline = time.perf_counter() + 30
             while block.released != pair.worker.step:  # the previous step is released
                 if time.perf_counter() > deadline:
@@ -141,7 +139,6 @@ class AheadGraph:
             stamps.append(time.perf_counter())
             host[:] = ids
             with pair.step(ids):
-                pair.transport.replayed(self.record)
                 self.graph.replay()
         torch.cuda.synchronize()
         stamps.append(time.perf_counter())
@@ -179,7 +176,7 @@ class AheadPlain:
 def c_launch_first(graph: rig.GraphStep, n: int, stamps: list[float],
                    parts: dict[str, list[float]] | None = None) -> int:
     """C_loop with the replay enqueued before the post (the graph waits on the flag anyway)."""
-    pair, tr = graph.engine.pair, graph.transport
+    pair = graph.engine.pair
     stream = torch.cuda.current_stream()
     for _ in range(n):
         stream.synchronize()
@@ -190,7 +187,6 @@ def c_launch_first(graph: rig.GraphStep, n: int, stamps: list[float],
         t1 = time.perf_counter()
         with pair.step(host):
             t2 = time.perf_counter()
-            tr.replayed(graph.record)
         t3 = time.perf_counter()
         if parts is not None:
             parts["launch"].append(t1 - t0)
@@ -204,7 +200,7 @@ def c_launch_first(graph: rig.GraphStep, n: int, stamps: list[float],
 def c_breakdown(graph: rig.GraphStep, n: int, stamps: list[float],
                 parts: dict[str, list[float]]) -> int:
     """C_loop (post first) with host stamps: post, launch, release enqueue, wait for GPU."""
-    pair, tr = graph.engine.pair, graph.transport
+    pair = graph.engine.pair
     stream = torch.cuda.current_stream()
     for _ in range(n):
         stream.synchronize()
@@ -213,7 +209,6 @@ def c_breakdown(graph: rig.GraphStep, n: int, stamps: list[float],
         host = graph.host_ids.numpy()
         with pair.step(host):
             t1 = time.perf_counter()
-            tr.replayed(graph.record)
             graph.graph.replay()
             t2 = time.perf_counter()
         t3 = time.perf_counter()
@@ -274,10 +269,10 @@ def copy_section(pair: Any, t: int, reps: int, rows: int,
     res: dict[str, Any] = {"tokens": t, "bytes": t * ROW_BYTES}
     stream = torch.cuda.current_stream().cuda_stream
     for mode in ("dma", "sm"):
-        tr.options = tr.options.model_copy(update={"copy_mode": mode})
+        cuda_transport.COPY_MODE = mode
         fresh, reread, turn = [], [], []
         for _ in range(reps):
-            ids = rng.integers(0, rows, size=t)
+            ids = rng.integers(0, rows, size=t, dtype=np.int32)
             e0, e1, e2, e3 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
             t0 = time.perf_counter()
             with pair.step(ids):
@@ -307,7 +302,7 @@ def copy_section(pair: Any, t: int, reps: int, rows: int,
             "reread_GBps": round(nb / np.median(reread) / 1e3, 2),
             "turnaround_us": round(float(np.median(turn)), 2),
         }
-    tr.options = tr.options.model_copy(update={"copy_mode": "auto"})
+    cuda_transport.COPY_MODE = "auto"
     return res
 
 
@@ -333,13 +328,11 @@ def bench_tokens(t: int, n: int, pair: Any, table_gpu: torch.Tensor, table_dev: 
     model_b = rig.StandIn(rows).cuda()
     model_b.ple = UvaTable(table_dev, rows, dev)
     measure("B", lambda s: PlainGraph(model_b, ids0).run(n + warm, s))
-    tr = pair.transport
-    for name, mode, in_graph in (("C_loop", "auto", False), ("C_loop_dma", "dma", False),
-                                 ("C_loop_sm", "sm", False), ("C_loop_g", "auto", True)):
-        tr.options = tr.options.model_copy(update={"copy_mode": mode})
+    for name, mode in (("C_loop", "auto"), ("C_loop_dma", "dma"), ("C_loop_sm", "sm")):
+        cuda_transport.COPY_MODE = mode  # baked into the graph at its capture
         eng = rig.Engine(pair, rig.StandIn(rows).cuda(), t, rows, torch.device("cuda"), seed=t)
-        measure(name, lambda s, e=eng, g=in_graph: e.capture(g).run(n + warm, stamps=s))
-    tr.options = tr.options.model_copy(update={"copy_mode": "auto"})
+        measure(name, lambda s, e=eng: e.capture().run(n + warm, stamps=s))
+    cuda_transport.COPY_MODE = "auto"
     parts: dict[str, dict[str, list[float]]] = {
         k: {"post": [], "launch": [], "release_enqueue": []} for k in ("post_first", "lf")}
     eng = rig.Engine(pair, rig.StandIn(rows).cuda(), t, rows, torch.device("cuda"), seed=t)
@@ -430,7 +423,7 @@ def main() -> None:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    variants = ["A", "B", "C_loop", "C_loop_dma", "C_loop_sm", "C_loop_g", "C_loop_lf",
+    variants = ["A", "B", "C_loop", "C_loop_dma", "C_loop_sm", "C_loop_lf",
                 "A_ahead", "C_ahead", "D"]
     print("\nmedian step us (added vs A) | wrong words")
     print("T".rjust(5), *(v.rjust(16) for v in variants))

@@ -21,9 +21,11 @@ Last, the isolation check: rank 1's offload process is SIGKILLed while both rank
 1's worker must fail closed (`ray_ple.protocol.fatal`: exit 86 within the heartbeat deadline) while
 rank 0 keeps stepping with every row right.
 
-    python bench/cuda/bench_two_ranks.py --out DIR                         # on the GPU
-    python bench/cuda/bench_two_ranks.py --out DIR --transport cpu --rows 4096 \\
+    python -m bench.cuda.bench_two_ranks --out DIR                         # on the GPU
+    python -m bench.cuda.bench_two_ranks --out DIR --transport cpu --rows 4096 \\
         --tokens 1,64 --steps 200 --big-steps 10                            # CPU smoke run
+
+(from the repository root, as every bench).
 
 The CPU transport runs the same protocol eagerly (no graphs, no burst/fresh copies).
 """
@@ -45,15 +47,11 @@ from typing import Any
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[2] / "tests" / "gpu"))
-sys.path.insert(0, str(HERE.parent))
-import bench_pull  # noqa: E402 - after its folder joins sys.path
-import cuda_rig as rig  # noqa: E402
-
-from ray_ple.protocol.fatal import EXIT_CODE  # noqa: E402
-from ray_ple.protocol.handles import PairHandle  # noqa: E402
-from ray_ple.protocol.shm import shmem_bytes  # noqa: E402
+from bench.cuda import bench_pull
+from ray_ple.protocol.fatal import EXIT_CODE
+from ray_ple.protocol.handles import PairHandle
+from ray_ple.protocol.shm import shmem_bytes
+from tests.gpu import cuda_rig as rig
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 WORDS = ROW_BYTES // 4
@@ -78,7 +76,7 @@ class CpuAhead:
         for _ in range(n):
             ids = rng.integers(0, self.model.rows, size=self.t, dtype=np.int64)
             stamps.append(time.perf_counter())
-            with self.pair.step(ids):
+            with self.pair.step(ids.astype(np.int32)):
                 bad, _, _ = self.model(torch.from_numpy(ids))
             self.err += int(bad)
         stamps.append(time.perf_counter())
@@ -226,7 +224,8 @@ class RankProc:
         self.index = index
         self._log = open(log, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), "--rank-worker", str(index)], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "bench.cuda.bench_two_ranks", "--rank-worker", str(index)],
+            stdin=subprocess.PIPE, cwd=rig.REPO,
             stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.send({"handle": handle.model_dump(mode="json"), "rows": rows,

@@ -19,11 +19,8 @@ import ctypes
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ray_ple.errors import PleEnvironmentError
 from ray_ple.protocol.shm import SharedSegment

@@ -32,10 +32,7 @@ Piecewise CUDA graphs (vLLM's mode for mixed prefill batches) capture the forwar
 pieces, and a fork captured in one piece cannot be joined in another. So a `pull_async`
 captured inside a piece (asked of the probe the model class installs, `set_piecewise_probe`)
 starts nothing, and `pull_wait`, finding no started pull, waits for and copies the part in
-stream order where it is needed (the default). As a trial (`CudaOptions.piecewise_starts`),
-the model class makes `pull_async` one of vLLM's splitting ops instead: it then runs
-eagerly between the pieces, on every replay, and forks there, and the join captured in a
-later piece waits on the fork's event as an external one (`ray_ple.worker.transport.cuda`).
+stream order where it is needed.
 """
 
 from __future__ import annotations
@@ -119,8 +116,7 @@ def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
 
 def start_parts(slots: list[tuple[str, torch.Tensor]]) -> None:
     """Start each `(slot name, out)` pull of the step; `join_part` before use. Called with
-    every part at once, after their buffers exist, so that the starts are consecutive ops
-    (vLLM keeps consecutive splitting ops in one eager segment between two pieces).
+    every part at once, after their buffers exist, so that the starts are consecutive ops.
 
     On a CPU device there is nothing to start (the join waits and copies) and no op is
     called: one Python op dispatch less per part and step on a millisecond CPU forward."""

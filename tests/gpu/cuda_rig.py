@@ -4,7 +4,12 @@ forward contains the real offload layer, and a small engine loop of the project'
 vLLM cannot run on the GPU test machine, so this loop plays the engine: it posts every step
 through `WorkerPair.step` (the same bracket the vLLM runner hook uses), runs the forward
 eagerly, from a CUDA graph captured as a local forward, or through torch.compile, and reads
-the next ids back the way a decode engine reads sampled tokens.
+the next ids back the way a decode engine reads sampled tokens. It replays the graphs it
+captured without telling the transport, as vLLM's runner does; what a capture recorded is
+read from the transport's `captures` (`newest_capture`).
+
+Run as a module from the repository root (`python -m tests.gpu.cuda_rig`); benches import it
+as `tests.gpu.cuda_rig`.
 
 Every row is checkable: element j (as int32) of table row r is r * W + j (W = row_bytes / 4),
 and the model compares every gathered word with that, on the device, every step. The next
@@ -27,21 +32,18 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from ray_ple.config import PleConfig, PleDeadlines
+from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.handles import EngineHandles, PairHandle
+from ray_ple.protocol.table_source import TableSource
+from ray_ple.worker import pair as worker_pair
+from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
 
-from ray_ple.config import PleConfig, PleDeadlines  # noqa: E402
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry  # noqa: E402
-from ray_ple.protocol.handles import EngineHandles, PairHandle  # noqa: E402
-from ray_ple.protocol.table_source import TableSource  # noqa: E402
-from ray_ple.worker import pair as worker_pair  # noqa: E402 - after the repo joins sys.path
-from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]  # the rig's processes run its modules from here
 
 LAYER = "model.embed_tokens_per_layer"
 TENSOR = "model.embed_tokens_per_layer.weight"
 ROW_ELEMS = 35 * 256  # Gemma 4 E2B/E4B-like: 35 layers x 256 dims, bf16 -> 17,920 B a row
-OFFLOAD_PROC = Path(__file__).with_name("offload_proc.py")
 
 
 # the table ---------------------------------------------------------------------------------
@@ -102,14 +104,16 @@ class OffloadProcess:
                  env: dict[str, str] | None = None, gather_threads: int = 1) -> None:
         cfg = PleConfig(transport="cuda", offload_spin_us=spin_us, shm_dir=shm_dir,
                         deadlines=deadlines(), gather_threads=gather_threads)
-        source = TableSource(checkpoint_dir=str(checkpoint_dir), tensor_names=(TENSOR,),
+        source = TableSource(checkpoint_dir=str(Path(checkpoint_dir).resolve()),
+                             tensor_names=(TENSOR,),
                              layer=geo.layers[0])
         spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
                 "sources": [source.model_dump(mode="json")],
                 "config": cfg.model_dump(mode="json")}
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, str(OFFLOAD_PROC)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=full_env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.offload_proc"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=full_env, cwd=REPO)
         reply = self._ask(json.dumps(spec))
         self.handle = PairHandle.model_validate(reply["handle"])
         self.pid = int(reply["pid"])
@@ -323,7 +327,7 @@ class Engine:
                 with self.pair.stream_step(self.ids.to(torch.int32)):
                     bad, nxt, _ = self.model(self.ids)
             else:
-                host = self.ids.cpu().numpy()  # the engine's read of the sampled ids (a sync)
+                host = self.ids.to(torch.int32).cpu().numpy()  # the engine's read (a sync)
                 with self.pair.step(host):
                     bad, nxt, _ = self.model(self.ids)
             self.err += bad
@@ -331,20 +335,28 @@ class Engine:
             self.steps += 1
         return int(self.err.item())
 
-    def capture(self, release_in_graph: bool = False) -> GraphStep:
-        return GraphStep(self, release_in_graph)
+    def capture(self) -> GraphStep:
+        return GraphStep(self)
+
+
+def newest_capture(pair: worker_pair.WorkerPair, rows: int) -> Any:
+    """The transport's record of the newest graph captured for `rows` tokens (a
+    `CaptureRecord`), None where there is none (or no graphs: the CPU transport)."""
+    records = getattr(pair.transport, "captures", {}).get(rows, [])
+    return records[-1] if records else None
 
 
 class GraphStep:
-    """One forward (optionally with its release) captured as a local forward, then replayed."""
+    """One forward captured as a local forward, then replayed inside each step (the release
+    stays the transport's, after the replay, as in vLLM's runner)."""
 
-    def __init__(self, engine: Engine, release_in_graph: bool) -> None:
+    def __init__(self, engine: Engine) -> None:
         e = engine
         self.engine = e
         self.transport = e.pair.transport
         self.ids = e.ids.clone()
         self.ids32 = e.ids.to(torch.int32)  # what a stream post reads (vLLM's dtype)
-        self.host_ids = torch.empty(e.t, dtype=torch.int64, pin_memory=True)
+        self.host_ids = torch.empty(e.t, dtype=torch.int32, pin_memory=True)  # posted ids
         self.err = torch.zeros((), dtype=torch.int64, device=e.device)
         self.graph = torch.cuda.CUDAGraph()
         with e.pair.local_forward():
@@ -359,10 +371,8 @@ class GraphStep:
                 self.err.add_(bad)
                 self.ids.copy_(nxt)
                 self.ids32.copy_(nxt)
-                self.host_ids.copy_(nxt, non_blocking=True)
-                if release_in_graph:
-                    self.transport.capture_release()
-        self.record = self.transport.last_capture
+                self.host_ids.copy_(self.ids32, non_blocking=True)
+        self.record = newest_capture(e.pair, e.t)
         self.err.zero_()
         self.ids.copy_(e.ids)
         self.ids32.copy_(e.ids)
@@ -381,11 +391,9 @@ class GraphStep:
                 stamps.append(time.perf_counter())
             if e.stream:
                 with pair.stream_step(self.ids32):
-                    self.transport.replayed(self.record)
                     self.graph.replay()
             else:
                 with pair.step(self.host_ids.numpy()):
-                    self.transport.replayed(self.record)
                     self.graph.replay()
             e.steps += 1
         stream.synchronize()
@@ -412,8 +420,9 @@ def piecewise() -> Iterator[None]:
 class Pieces:
     """A forward as vLLM's piecewise backend runs it: captured segments (one CUDA graph each,
     one memory pool) between eager ones (its splitting ops, whose Python runs on every
-    replay too). Segments keep their tensors on a state object of their own: a captured
-    segment's outputs are the graph's static buffers, which later segments read."""
+    replay too); replays are declared to no one, as vLLM's are. Segments keep their tensors
+    on a state object of their own: a captured segment's outputs are the graph's static
+    buffers, which later segments read."""
 
     def __init__(self, segments: list[tuple[bool, Any]]) -> None:
         self.segments = segments  # (captured?, fn() -> None)
@@ -441,75 +450,6 @@ class Pieces:
         with piecewise():
             for fn in self.run_list:
                 fn()
-
-
-class PiecewiseLate:
-    """`LateStandIn` under piecewise graphs with `ray_ple::pull_async` a splitting op (what
-    the late Gemma 4 class asks of vLLM under `RAY_PLE_CUDA_PIECEWISE_STARTS=eager`): piece 0
-    allocates the part buffers; every part's `pull_async` runs eagerly after it (a fork on
-    the side stream, on every replay); one captured piece per part joins it (an external
-    event wait) and reads it; a last piece checks every word and closes the loop. Captured
-    as one local forward; replays are not declared (`replayed`), as vLLM declares none: the
-    release finds the capture by its token count and the layers it joins. `skip_join`: the
-    piece of that part does not join it (what a capture missing a join must be refused
-    for)."""
-
-    def __init__(self, engine: Engine, skip_join: int | None = None) -> None:
-        e, m = engine, engine.model
-        self.engine, self.model, self.skip = e, m, skip_join
-        self.ids = e.ids.clone()
-        self.ids32 = e.ids.to(torch.int32)
-        self.host_ids = torch.empty(e.t, dtype=torch.int64, pin_memory=True)
-        self.host_ids.copy_(e.ids)
-        self.err = torch.zeros((), dtype=torch.int64, device=e.device)
-        segs: list[tuple[bool, Any]] = [(True, self._alloc), (False, self._start)]
-        segs += [(True, lambda p=p: self._part(p)) for p in range(len(m.slots))]
-        self.pieces = Pieces([*segs, (True, self._end)])
-        with e.pair.local_forward():
-            self.pieces.capture()
-        self.record = e.pair.transport.last_capture
-        self.err.zero_()
-        self.ids.copy_(e.ids)
-        self.ids32.copy_(e.ids)
-        self.host_ids.copy_(e.ids)
-        sync(e.device)
-
-    def _alloc(self) -> None:
-        self.buf = self.model.buffers(self.ids)
-        self.acc = (self.ids % 7).float()
-
-    def _start(self) -> None:
-        self.model.start(self.buf)
-
-    def _part(self, p: int) -> None:
-        if p != self.skip:
-            self.model.wait(self.buf, p)
-        self.acc += (self.buf[p][:, :2].view(torch.int32) & 0xFF).float().sum(1)
-
-    def _end(self) -> None:
-        bad = self.model.check(self.buf, self.ids)
-        t = torch.arange(self.ids.shape[0], device=self.ids.device, dtype=torch.int64)
-        nxt = ((self.ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.model.rows
-        self.err.add_(bad)
-        self.ids.copy_(nxt)
-        self.ids32.copy_(nxt)
-        self.host_ids.copy_(nxt, non_blocking=True)
-
-    def run(self, n: int, wait: bool = True) -> int:
-        """n closed-loop steps, posted by the stream (`engine.stream`) or the host."""
-        e, pair = self.engine, self.engine.pair
-        stream = torch.cuda.current_stream(e.device)
-        for _ in range(n):
-            if wait:
-                stream.synchronize()
-            ctx = (pair.stream_step(self.ids32) if e.stream
-                   else pair.step(self.host_ids.numpy()))
-            with ctx:
-                self.pieces.replay()
-            e.steps += 1
-        stream.synchronize()
-        e.ids.copy_(self.ids)
-        return int(self.err.item())
 
 
 # torch.compile across processes ------------------------------------------------------------
@@ -638,38 +578,11 @@ def geometry_mismatch_scenario(work: Path) -> None:
         engine = Engine(pair, StandIn(4096).cuda(), 8, 4096, torch.device("cuda"))
         graph = engine.capture()
         print(json.dumps({"captured_rows": graph.record.rows}), flush=True)
-        with pair.step(first_ids(16, 4096)):
-            pair.transport.replayed(graph.record)  # fatal: 8-row graph, 16-token step
-            graph.graph.replay()
+        with pair.step(first_ids(16, 4096).astype(np.int32)):
+            graph.graph.replay()  # fatal at the release: no graph captured for 16 tokens
         print(json.dumps({"error": "mismatched replay was not stopped"}), flush=True)
     finally:
         off.close()
-
-
-def piecewise_scenario(work: Path, fault: str) -> None:
-    """Piecewise graphs that must end the process: `unjoined`, a capture whose pieces never
-    join part 2's eager pull (refused when the capture ends); `unstarted`, a step that
-    replays the pieces without running the eager `pull_async`s (its joins would wait for no
-    copy: refused before the release, as no capture for its token count pulls without
-    joins; with a full graph of that count captured too, the release could not tell which
-    ran, but vLLM runs the splitting ops of every piecewise replay)."""
-    import ray_ple.worker.ops  # noqa: F401
-
-    geo = geometry(4096, max_tokens=64, parts=(7, 7, 7, 7, 7))
-    off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
-    pair = attach(off.handle, geo, "cuda")
-    engine = Engine(pair, LateStandIn(4096, geo).cuda(), 8, 4096, torch.device("cuda"))
-    step = PiecewiseLate(engine, skip_join=2 if fault == "unjoined" else None)
-    print(json.dumps({"captured_joins": list(step.record.joins),
-                      "wrong_words": step.run(20)}), flush=True)
-    with pair.step(step.host_ids.numpy()):
-        with piecewise():
-            for captured, fn in zip((c for c, _ in step.pieces.segments), step.pieces.run_list,
-                                    strict=True):
-                if captured:
-                    fn()  # the pieces alone: no eager pull_async this step
-    print(json.dumps({"error": "pieces replayed without their pulls were not stopped"}),
-          flush=True)
 
 
 def stamp_mismatch_scenario(work: Path, late: bool) -> None:
@@ -692,13 +605,12 @@ def stamp_mismatch_scenario(work: Path, late: bool) -> None:
     block, slot = pair.block, len(pair.block.flags) - 1
     result: dict[str, Any] = {"slots": len(block.flags), "expected_reason": int(STAMP_REASON)}
     try:
-        with pair.step(ids.cpu().numpy()) as s:
+        with pair.step(ids.to(torch.int32).cpu().numpy()) as s:
             torch.cuda._sleep(400_000_000)  # the stream waits ~0.2 s before the forward
             deadline = time.monotonic() + 10
             while int(block.flags[slot][0]) != 1 and time.monotonic() < deadline:
                 pass
-            stamp = getattr(block, "set_stamp", None) or block.set_published
-            stamp(slot, s + 5)  # stale: not the step in flight
+            block.set_stamp(slot, s + 5)  # stale: not the step in flight
             bad, _, _ = model(ids)
         torch.cuda.synchronize()
         result["error"] = None
@@ -737,8 +649,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("scenario", choices=["compile-save", "compile-load", "geometry-mismatch",
-                                         "stamp-early", "stamp-late", "stream-post-twice",
-                                         "piecewise-unjoined", "piecewise-unstarted"])
+                                         "stamp-early", "stamp-late", "stream-post-twice"])
     ap.add_argument("work", type=Path)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=8)
@@ -749,9 +660,6 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.scenario == "geometry-mismatch":
         geometry_mismatch_scenario(a.work)
-        sys.exit(0)
-    if a.scenario.startswith("piecewise-"):
-        piecewise_scenario(a.work, a.scenario.split("-")[1])
         sys.exit(0)
     if a.scenario == "stream-post-twice":
         stream_post_twice_scenario(a.work)

@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ray_ple.offload.actor import OffloadActor
 

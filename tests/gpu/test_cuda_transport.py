@@ -1,4 +1,4 @@
-"""The CUDA transport on a real GPU, driven by the rig's engine loop (`cuda_rig.py`).
+"""The CUDA transport on a real GPU, driven by the rig's engine loop (`tests.gpu.cuda_rig`).
 
 Runs wherever CUDA is present (`scripts/gpu_device_run.sh` runs it on the lent H200 and keeps
 the output under `bench/cuda/results/`); elsewhere every CUDA test is skipped with the reason.
@@ -13,22 +13,27 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cuda_rig as rig
+import ray_ple.worker.transport.cuda as cuda_transport
+from tests.gpu import cuda_rig as rig
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
     not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here); "
     "scripts/gpu_device_run.sh runs this module on the GPU machine")
 ROWS, MAX_TOKENS = 4096, 256
-RIG = Path(__file__).with_name("cuda_rig.py")
+RIG = [sys.executable, "-m", "tests.gpu.cuda_rig"]  # run with cwd=rig.REPO
+
+
+def run_rig(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    """One rig scenario in a fresh process (run as a module from the repository root)."""
+    return subprocess.run([*RIG, *args], capture_output=True, text=True, check=False,
+                          cwd=rig.REPO, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -83,24 +88,13 @@ def test_eager_closed_loop_rows_verified(gpu, t: int) -> None:
 def test_graph_closed_loop_rows_verified(gpu, t: int, copy_mode: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     _, pair = gpu
-    monkeypatch.setattr(pair.transport, "options",
-                        pair.transport.options.model_copy(update={"copy_mode": copy_mode}))
+    monkeypatch.setattr(cuda_transport, "COPY_MODE", copy_mode)
     before = pair.block.posted
     graph = _engine(pair, t, seed=100 + t).capture()
     assert pair.block.posted == before, "a capture must not post"
     rec = graph.record
-    assert rec.rows == t and not rec.release
+    assert rec.rows == t
     assert [(c.rows, c.nbytes, c.mode) for c in rec.copies] == [(t, t * 17920, copy_mode)]
-    assert graph.run(2000) == 0
-    assert pair.block.counters() == (before + 2000, (before + 2000,), before + 2000)
-
-
-@needs_cuda
-def test_whole_step_graph_carries_the_release(gpu) -> None:
-    _, pair = gpu
-    before = pair.block.posted
-    graph = _engine(pair, 16, seed=7).capture(release_in_graph=True)
-    assert graph.record.release
     assert graph.run(2000) == 0
     assert pair.block.counters() == (before + 2000, (before + 2000,), before + 2000)
 
@@ -110,7 +104,7 @@ def test_released_is_advanced_by_the_stream_itself(gpu) -> None:
     _, pair = gpu
     engine = _engine(pair, 4, seed=3)
     s0 = pair.block.posted
-    host = engine.ids.cpu().numpy()
+    host = engine.ids.to(torch.int32).cpu().numpy()
     with pair.step(host):
         torch.cuda._sleep(200_000_000)  # keep the stream busy for ~0.1 s before the forward
         engine.model(engine.ids)
@@ -160,9 +154,8 @@ def test_compiled_artifact_runs_in_a_new_process(ckpt: Path, tmp_path: Path, par
     results = {}
     for role in ("save", "load"):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{role}")}
-        proc = subprocess.run([sys.executable, str(RIG), f"compile-{role}", str(tmp_path),
-                               "--steps", "1000", "--parts", parts], capture_output=True,
-                              text=True, env=env, check=False, timeout=900)
+        proc = run_rig(f"compile-{role}", str(tmp_path), "--steps", "1000", "--parts", parts,
+                       env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[role] = json.loads(proc.stdout.strip().splitlines()[-1])
     save, load = results["save"], results["load"]
@@ -178,8 +171,7 @@ def test_compiled_artifact_runs_in_a_new_process(ckpt: Path, tmp_path: Path, par
 @needs_cuda
 def test_graph_replayed_for_another_token_count_is_fatal(ckpt: Path, tmp_path: Path) -> None:
     (tmp_path / "ckpt").symlink_to(ckpt)
-    proc = subprocess.run([sys.executable, str(RIG), "geometry-mismatch", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run_rig("geometry-mismatch", str(tmp_path), timeout=300)
     assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
     verdicts = [json.loads(line) for line in proc.stderr.splitlines()
                 if '"verdict"' in line and line.startswith("{")]
@@ -231,8 +223,7 @@ def test_a_step_posted_twice_by_the_stream_fails_closed_on_the_gpu(ckpt: Path,
     writing STREAM_POST and FAILED; the offload side ends itself naming it, the worker's
     next CUDA call raises and it fails closed (exit 86)."""
     (tmp_path / "ckpt").symlink_to(ckpt)
-    proc = subprocess.run([sys.executable, str(RIG), "stream-post-twice", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run_rig("stream-post-twice", str(tmp_path), timeout=300)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     verdicts = [json.loads(line) for line in proc.stderr.splitlines()
                 if '"verdict"' in line and line.startswith("{")]
@@ -278,23 +269,20 @@ def test_late_pull_eager_closed_loop_rows_verified(late, t: int) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize(("t", "copy_mode", "release_in_graph"),
-                         [(8, "sm", False), (256, "dma", False), (64, "auto", True)])
+@pytest.mark.parametrize(("t", "copy_mode"), [(8, "sm"), (256, "dma"), (64, "auto")])
 def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
-                                                   release_in_graph: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     _, pair, geo = late
-    monkeypatch.setattr(pair.transport, "options",
-                        pair.transport.options.model_copy(update={"copy_mode": copy_mode}))
+    monkeypatch.setattr(cuda_transport, "COPY_MODE", copy_mode)
     before = pair.block.posted
     with rig.registered(pair):
-        graph = _late_engine(pair, geo, t, seed=300 + t).capture(release_in_graph)
+        graph = _late_engine(pair, geo, t, seed=300 + t).capture()
     assert pair.block.posted == before, "a capture must not post"
     rec = graph.record
-    assert rec.rows == t and rec.release == release_in_graph
+    assert rec.rows == t
     assert [(c.layer, c.nbytes, c.late) for c in rec.copies] == [
         (i, t * 3584, True) for i in range(len(PARTS))]
-    # auto: a late copy goes to the copy engine (it runs beside the layers; late-run12)
+    # auto: a late copy goes to the copy engine (it runs beside the layers)
     assert {c.mode for c in rec.copies} == {"dma" if copy_mode == "auto" else copy_mode}
     assert graph.run(1000) == 0
     c = pair.block.counters()
@@ -317,7 +305,7 @@ def test_late_pull_after_resident_layers_graph_closed_loop_rows_verified(ckpt: P
         pair = rig.attach_another(off.handle, geo)
         with rig.registered(pair):
             assert _late_engine(pair, geo, 64, seed=500).eager(50) == 0
-            graph = _late_engine(pair, geo, 64, seed=501).capture(False)
+            graph = _late_engine(pair, geo, 64, seed=501).capture()
         assert [(c.layer, c.nbytes) for c in graph.record.copies] == [
             (i, 64 * 3584) for i in range(len(PARTS) - 1)]
         assert graph.run(300) == 0
@@ -328,100 +316,12 @@ def test_late_pull_after_resident_layers_graph_closed_loop_rows_verified(ckpt: P
 
 
 @needs_cuda
-def test_external_event_wait_resolves_the_record_made_before_launch() -> None:
-    """What the piecewise joins rest on: a graph's external event wait waits for the
-    event's record made before the graph's launch, and not for one made after it (the next
-    step's fork re-records done[layer] while this step's pieces may still be queued)."""
-    import mmap
-
-    import numpy as np
-
-    from ray_ple.worker.transport.cuda_host import check, driver, register_host
-
-    d = driver()
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    words = np.frombuffer(page, dtype=np.int32)
-    dev = register_host(int(words.ctypes.data), mmap.PAGESIZE, words,
-                        what="event probe page").device_ptr
-    ev = check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-    eq = d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
-    s_before, s_after, cap = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=cap):
-        check(d.cuStreamWaitEvent(cap.cuda_stream, ev,
-                                  d.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL), "wait ext")
-        check(d.cuStreamWriteValue32(cap.cuda_stream, dev + 4, 1, 0), "write")
-    # record A: held until word 0 is 1; the launch; record B (after it): held on word 2
-    check(d.cuStreamWaitValue32(s_before.cuda_stream, dev, 1, eq), "hold A")
-    check(d.cuEventRecord(ev, s_before.cuda_stream), "record A")
-    g.replay()
-    check(d.cuStreamWaitValue32(s_after.cuda_stream, dev + 8, 1, eq), "hold B")
-    check(d.cuEventRecord(ev, s_after.cuda_stream), "record B")
-    time.sleep(0.05)
-    held = int(words[1])
-    words[0] = 1  # A completes; B stays held
-    deadline = time.monotonic() + 5
-    while int(words[1]) != 1 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    after_a = int(words[1])
-    words[2] = 1
-    torch.cuda.synchronize()
-    assert held == 0, "the graph did not wait for the record made before its launch"
-    assert after_a == 1, "the graph waited for a record made after its launch"
-
-
-@needs_cuda
-@pytest.mark.parametrize(("t", "stream"), [(8, False), (64, True), (256, True)])
-def test_piecewise_pieces_join_eager_forks_closed_loop_rows_verified(late, t: int,
-                                                                     stream: bool) -> None:
-    """vLLM's piecewise graphs with `pull_async` a splitting op: the forks run eagerly
-    between the pieces on every replay, the pieces join them as external events; the
-    capture records joins and no copy; replays declared to no one (as vLLM's), released
-    through the capture found by token count; 300 steps, every word checked."""
-    _, pair, geo = late
-    before = pair.block.posted
-    with rig.registered(pair):
-        engine = rig.Engine(pair, rig.LateStandIn(ROWS, geo).cuda(), t, ROWS,
-                            torch.device("cuda"), seed=700 + t, stream=stream)
-        step = rig.PiecewiseLate(engine)
-        assert pair.block.posted == before, "a capture must not post"
-        assert (step.record.copies, step.record.joins) == ((), tuple(range(len(PARTS))))
-        assert step.run(300, wait=not stream) == 0
-    c = pair.block.counters()
-    assert (c.posted, c.released, set(c.published)) == (before + 300, before + 300,
-                                                        {before + 300})
-
-
-@needs_cuda
-@pytest.mark.parametrize("fault", ["unjoined", "unstarted"])
-def test_piecewise_pieces_that_miss_a_join_or_a_start_are_fatal(ckpt: Path, tmp_path: Path,
-                                                                 fault: str) -> None:
-    """A capture whose pieces do not join every eager pull is refused when it ends; a step
-    whose pieces replay without their eager pulls (joins that would wait for no copy) is
-    refused before its release: both end the process (exit 86), naming GEOMETRY."""
-    (tmp_path / "ckpt").symlink_to(ckpt)
-    proc = subprocess.run([sys.executable, str(RIG), f"piecewise-{fault}", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    verdicts = [json.loads(line) for line in proc.stderr.splitlines()
-                if '"verdict"' in line and line.startswith("{")]
-    assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
-    assert verdicts and verdicts[0]["reason"] == "GEOMETRY", verdicts
-    assert verdicts[0]["where"] == "consumer", verdicts
-    if fault == "unstarted":  # the pieces ran right while their pulls ran
-        assert lines and lines[0]["wrong_words"] == 0 and lines[0]["captured_joins"] == [
-            0, 1, 2, 3, 4], lines
-    else:
-        assert not lines, lines
-
-
-@needs_cuda
 def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
         late, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `pull_async` captured inside a piece (not a splitting op) could not be joined in a
-    later piece: captured under the piecewise probe it starts nothing and `pull_wait`,
-    finding no started pull, waits and copies on the model stream (no side-stream copy in
-    the graph); eager, it forks and joins; rows verified."""
+    """A `pull_async` captured inside a piece could not be joined in a later piece:
+    captured under the piecewise probe it starts nothing and `pull_wait`, finding no started
+    pull, waits and copies on the model stream (no side-stream copy in the graph); eager, it
+    forks and joins; rows verified."""
     from ray_ple.worker import ops
 
     _, pair, geo = late
@@ -429,7 +329,7 @@ def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
     before = pair.block.posted
     with rig.registered(pair):
         assert _late_engine(pair, geo, 8, seed=400).eager(100) == 0
-        graph = _late_engine(pair, geo, 8, seed=401).capture(False)
+        graph = _late_engine(pair, geo, 8, seed=401).capture()
     assert [(c.layer, c.late) for c in graph.record.copies] == [
         (i, False) for i in range(len(PARTS))]
     assert graph.run(300) == 0
@@ -444,18 +344,15 @@ def test_stale_step_stamp_fails_closed_on_the_gpu(ckpt: Path, tmp_path: Path, mo
     """A slot stamped with another step: the copy traps after writing the reason word and
     FAILED (the offload side reads them and ends itself), the forward's next CUDA call
     raises and the worker fails closed (exit 86): the step's tokens never leave."""
-    from ray_ple.worker.transport.cuda import STAMP_REASON
-
     (tmp_path / "ckpt").symlink_to(ckpt)
-    proc = subprocess.run([sys.executable, str(RIG), f"stamp-{mode}", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run_rig(f"stamp-{mode}", str(tmp_path), timeout=300)
     verdicts = [json.loads(line) for line in proc.stderr.splitlines()
                 if '"verdict"' in line and line.startswith("{")]
     assert proc.returncode == 86, proc.stdout + proc.stderr[-3000:]
     offload = [v for v in verdicts if v["where"] == "offload"]
     worker = [v for v in verdicts if v["where"] == "worker"]
     assert offload and offload[0]["reason"] == "PEER_FAILED", verdicts
-    assert f"reason {STAMP_REASON.name}" in offload[0]["detail"], verdicts
+    assert f"reason {cuda_transport.STAMP_REASON.name}" in offload[0]["detail"], verdicts
     assert worker and "CUDA error" in worker[0]["detail"], verdicts
 
 
@@ -472,11 +369,11 @@ def test_wrong_words_counts_a_single_flipped_word() -> None:
 def _rig_on_cpu(body: str, ckpt: Path) -> dict:
     """Run `body` after the rig's imports in a fresh process with no GPU; its last JSON line.
     `body` sees `r` (cuda_rig), `torch`, `json` and `ckpt` (the checkpoint directory)."""
-    code = (f"import sys, json, torch; sys.path.insert(0, {str(RIG.parent)!r}); "
-            "import cuda_rig as r; import ray_ple.worker.ops; from pathlib import Path; "
-            f"ckpt = Path({str(ckpt)!r})\n" + body)
+    code = ("import json, torch; from tests.gpu import cuda_rig as r; import ray_ple.worker.ops; "
+            f"from pathlib import Path; ckpt = Path({str(ckpt)!r})\n" + body)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False)
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                          check=False, cwd=rig.REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -32,38 +32,30 @@ group of consecutive model layers) arrives while the earlier layers run::
 
 Both are graph-capturable (a fork and a join of the capturing stream). Under vLLM's piecewise
 graphs a fork cannot be captured in one piece and joined in another: there a part is
-pulled in stream order in its piece, or (a trial: `piecewise_starts: eager`) `pull_async`
-runs eagerly between the pieces (the model class makes it one of vLLM's splitting ops) and
-the join captured inside a later piece waits on done[layer] as an external event
-(`CU_EVENT_WAIT_EXTERNAL`: a graph node that waits for the event's latest record when the
-graph is launched, which is this step's fork, issued before that piece's launch). A capture
-records those joins (`CaptureRecord.joins`); a step whose eager pulls no Python join waited
-is released only if a graph captured for its token count joins exactly those layers, and
-its release waits for their copies in any case. The step stamp check
-runs on the GPU because the host cannot see the copy happen: a graph replay or an async copy
-has no host moment between "flag up" and "rows consumed". It fails closed with a trap (the
-context is lost, so the step's tokens never leave the GPU) after writing the reason word and
-FAILED into the control block, where the offload side and the supervisor read it. Its
-reference is `released + 1`, a word the stream itself advances, so nothing step-specific is
-baked into a graph. Until the layout carries a separate stamp word, a slot's stamp is its
-`published` word (also written with the rows, before the flag).
+pulled in stream order in its piece (`ray_ple.worker.ops`).
+
+The step stamp check runs on the GPU because the host cannot see the copy happen: a graph
+replay or an async copy has no host moment between "flag up" and "rows consumed". It fails
+closed with a trap (the context is lost, so the step's tokens never leave the GPU) after
+writing the reason word and FAILED into the control block, where the offload side and the
+supervisor read it. Its reference is `released + 1`, a word the stream itself advances, so
+nothing step-specific is baked into a graph; a slot's stamp word is written with its rows,
+before the flag.
 
 `released` is advanced by the stream itself, so a GPU stuck in a wait leaves it behind and
-the offload actor's step deadline ends the replica. Because it is an increment, a graph that
-captured the release stays right on every replay.
+the offload actor's step deadline ends the replica.
 
 Local forwards (dummy, profile, capture) never touch the offload actor. Eager ones get zero
 rows and move no word (a flag set and reset by a forward nobody posted could race the next
 real step's publish). A capture records the real wait and copy into the graph, and the
-geometry it captured (rows and bytes per layer, whether the release is in the graph) is kept
-as a `CaptureRecord`; each replayed step is checked against it on the host before the step
-is released.
+geometry it captured (rows and bytes per layer) is kept as a `CaptureRecord`. A replay is
+declared to no one (vLLM's runner replays its own graphs): a step that no pull consumed is
+released only if a graph was captured for its token count.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,7 +63,6 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, ValidationError
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleConfigError, PleEnvironmentError
@@ -107,46 +98,15 @@ from ray_ple.worker.transport.cuda_kernels import (
 if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
 
-COPY_ENV, SM_MAX_ENV = "RAY_PLE_CUDA_COPY", "RAY_PLE_CUDA_SM_COPY_MAX_BYTES"
-LATE_BLOCKS_ENV = "RAY_PLE_CUDA_LATE_COPY_BLOCKS"
-LATE_SM_MAX_ENV = "RAY_PLE_CUDA_LATE_SM_COPY_MAX_BYTES"
-PIECEWISE_STARTS_ENV = "RAY_PLE_CUDA_PIECEWISE_STARTS"
-# the reason a stamp mismatch writes (a dedicated one once the protocol names it)
-STAMP_REASON = getattr(Reason, "STEP_STAMP", Reason.INVARIANT)
-
-
-class CudaOptions(Frozen):
-    """How rows are copied; read from the worker's environment. Only `piecewise_starts`
-    changes what vLLM compiles (its splitting ops, so its compile hash); the rest are
-    baked into graphs at capture."""
-
-    copy_mode: Literal["auto", "dma", "sm"] = "auto"
-    sm_max_bytes: int = Field(8 << 20, ge=0, description="auto: SM copy up to this size")
-    late_sm_max_bytes: int = Field(0, ge=0, description="auto, late pulls: SM copy up to this "
-                                   "size, the copy engine above it. A late copy runs beside "
-                                   "the layers: on SMs it holds them on PCIe reads where the "
-                                   "GEMMs would run (+4.9 ms at T = 1024), on the copy engine "
-                                   "it takes none (bench/cuda/README.md, late-run12): 0")
-    late_copy_blocks: int = Field(0, ge=0, description="most blocks of a late pull's SM copy "
-                                  "(late_sm_max_bytes > 0 or copy_mode sm); 0: up to 8 per SM")
-    piecewise_starts: Literal["in_piece", "eager"] = Field(
-        "in_piece", description="vLLM's piecewise graphs: each part waited for and copied in "
-        "the piece of its first layer (in_piece), or the starts made a vLLM splitting op, "
-        "forked eagerly between the pieces and joined as external events (eager: slower in "
-        "the stand-in by 0.1-0.8 ms a step, bench/cuda/README.md, late-run20; a trial setting)")
-
-    @classmethod
-    def from_env(cls) -> CudaOptions:
-        raw = {"copy_mode": os.environ.get(COPY_ENV), "sm_max_bytes": os.environ.get(SM_MAX_ENV),
-               "late_copy_blocks": os.environ.get(LATE_BLOCKS_ENV),
-               "late_sm_max_bytes": os.environ.get(LATE_SM_MAX_ENV),
-               "piecewise_starts": os.environ.get(PIECEWISE_STARTS_ENV)}
-        try:
-            return cls.model_validate({k: v for k, v in raw.items() if v is not None})
-        except ValidationError as exc:
-            bad = ", ".join(str(e["loc"][0]) for e in exc.errors())
-            raise PleConfigError(f"RAY_PLE_CUDA_* environment: bad {bad}: "
-                                 f"{exc.errors()[0]['msg']}") from None
+# How rows are copied (read at each enqueue, so baked into a graph at its capture); a bench
+# that compares settings assigns these attributes before it captures.
+COPY_MODE: Literal["auto", "dma", "sm"] = "auto"  # auto: by size (bench/cuda/bench_pull.py)
+SM_COPY_MAX_BYTES = 8 << 20  # auto: SM copy up to this size (bench/cuda/bench_pull.py)
+# auto, late pulls: the copy engine above this size; an SM copy beside the layers holds SMs
+# on PCIe reads where their GEMMs would run (bench/cuda/bench_model.py)
+LATE_SM_COPY_MAX_BYTES = 0
+LATE_COPY_BLOCKS = 0  # most blocks of a late SM copy, 0: up to 8 per SM (bench/cuda/bench_model.py)
+STAMP_REASON = Reason.INVARIANT  # the reason a stamp mismatch writes
 
 
 class LayerCopy(Frozen):
@@ -164,12 +124,6 @@ class CaptureRecord(Frozen):
 
     rows: int
     copies: tuple[LayerCopy, ...]
-    release: bool
-    joins: tuple[int, ...] = ()  # layers whose eager (piecewise) async pull the graph joins
-
-    def layers(self) -> set[int]:
-        """The layers the graph itself copies."""
-        return {c.layer for c in self.copies}
 
 
 _KERNELS: dict[int, Kernels] = {}
@@ -192,7 +146,6 @@ class CudaTransport(Transport):
         if not torch.cuda.is_available():
             raise PleEnvironmentError("transport 'cuda' needs a CUDA device; torch sees none "
                                       "(use transport 'cpu')")
-        self.options = CudaOptions.from_env()
         self.device = torch.cuda.current_device()
         torch.cuda.init()
         ensure_context(self.device)
@@ -213,9 +166,8 @@ class CudaTransport(Transport):
         self._slot_dev = [base + off for off in layout.slot_offsets]
         self._row_bytes = layout.row_bytes
         self._flag0, self._nflags = layout.flag_offsets[0], len(layout.flag_offsets)
-        stamps = getattr(layout, "stamp_offsets", None) or layout.published_offsets
         self._stamp = [StampCheck(base, off, RELEASED_OFF, STATE_OFF, int(State.FAILED),
-                                  int(STAMP_REASON)) for off in stamps]
+                                  int(STAMP_REASON)) for off in layout.stamp_offsets]
         self._post_words = PostWords(
             state_off=STATE_OFF, ready=int(State.READY), failed=int(State.FAILED),
             reason=int(Reason.STREAM_POST), posted_off=POSTED_OFF, released_off=RELEASED_OFF,
@@ -234,32 +186,19 @@ class CudaTransport(Transport):
         flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fork = check(d.cuEventCreate(flags), "cuEventCreate(fork)")
         self._post_fork = check(d.cuEventCreate(flags), "cuEventCreate(post fork)")
-        # done[layer] of forks captured into a graph, and of forks issued eagerly (a step's
-        # eager pull, a piecewise start): an event last recorded inside a capture cannot be
-        # waited on by another capture (CUDA_ERROR_INVALID_VALUE, seen on the H200), so the
-        # external joins of piecewise pieces wait on events only ever recorded eagerly
         self._done = [check(d.cuEventCreate(flags), "cuEventCreate(done)")
                       for _ in range(self._nflags)]
-        self._done_eager = [check(d.cuEventCreate(flags), "cuEventCreate(done, eager)")
-                            for _ in range(self._nflags)]
         # per-step bookkeeping (host side, checked before every release)
         self._pulled: list[int] = [-1] * self._nflags
         self._waited: list[int] = [-1] * self._nflags
         self._capture_pending: set[int] = set()
-        self._eager_forks: set[int] = set()  # local: started outside a capture, not joined
-        self._capture_joins: list[tuple[int, int]] = []  # (layer, rows) joined externally
         self._capture: list[LayerCopy] | None = None
-        self._capture_release = False
-        self.captures: dict[int, list[CaptureRecord]] = {}
-        self.last_capture: CaptureRecord | None = None
-        self._replayed: dict[int, CaptureRecord] = {}
+        self.captures: dict[int, list[CaptureRecord]] = {}  # token count -> graphs captured
         log_event("cuda_transport_ready", rank=worker.rank, device=self.device,
                   gpu=self.caps.name, driver=self.caps.driver_version,
                   segment_bytes=seg.size, register_s=round(self.registration.seconds, 4),
-                  device_ptr_equals_host=base == host, copy=self.options.copy_mode,
-                  sm_max_bytes=self.options.sm_max_bytes,
-                  late_sm_max_bytes=self.options.late_sm_max_bytes,
-                  piecewise_starts=self.options.piecewise_starts)
+                  device_ptr_equals_host=base == host, copy=COPY_MODE,
+                  sm_max_bytes=SM_COPY_MAX_BYTES, late_sm_max_bytes=LATE_SM_COPY_MAX_BYTES)
 
     # setup ------------------------------------------------------------------------------
     def _probe(self) -> None:
@@ -299,12 +238,11 @@ class CudaTransport(Transport):
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _mode(self, nbytes: int, dst: int, late: bool = False) -> Literal["dma", "sm"]:
-        o = self.options
         aligned = nbytes % 16 == 0 and dst % 16 == 0
-        if o.copy_mode == "sm" and aligned:
+        if COPY_MODE == "sm" and aligned:
             return "sm"
-        sm_max = o.late_sm_max_bytes if late else o.sm_max_bytes
-        if o.copy_mode == "auto" and aligned and nbytes <= sm_max:
+        sm_max = LATE_SM_COPY_MAX_BYTES if late else SM_COPY_MAX_BYTES
+        if COPY_MODE == "auto" and aligned and nbytes <= sm_max:
             return "sm"
         return "dma"
 
@@ -333,20 +271,14 @@ class CudaTransport(Transport):
         side = self._side.cuda_stream
         check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
         check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
-        mode = self._enqueue(layer, out, nbytes, side, self.options.late_copy_blocks, late=True)
-        done = self._done if torch.cuda.is_current_stream_capturing() else self._done_eager
-        check(d.cuEventRecord(done[layer], side), "cuEventRecord(done)")
+        mode = self._enqueue(layer, out, nbytes, side, LATE_COPY_BLOCKS, late=True)
+        check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
         return mode
 
-    def _join(self, layer: int, model: int, *, fork_captured: bool = False,
-              external: bool = False) -> None:
-        """`model` waits for done[layer] of a fork captured in this graph, or of an eager
-        one; `external` in a capture that did not capture the fork (an event wait node that
-        waits, at each launch, for the record made before it)."""
+    def _join(self, layer: int, model: int) -> None:
+        """`model` waits for done[layer] (of the fork in this step, or in this capture)."""
         d = driver()
-        flags = d.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL if external else 0
-        done = self._done if fork_captured else self._done_eager
-        check(d.cuStreamWaitEvent(model, done[layer], flags), "cuStreamWaitEvent(done)")
+        check(d.cuStreamWaitEvent(model, self._done[layer], 0), "cuStreamWaitEvent(done)")
 
     def _geometry(self, layer: int, out: torch.Tensor) -> int:
         """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
@@ -404,8 +336,7 @@ class CudaTransport(Transport):
         nbytes = self._geometry(layer, out)
         if (f := token_rows(w.rows, layer, w.step, out.shape[0])) is not None:
             w.fail(f, Side.CONSUMER)
-        rec = self._replayed.get(w.step)
-        if self._pulled[layer] == w.step or (rec is not None and layer in rec.layers()):
+        if self._pulled[layer] == w.step:
             self._fail(Reason.INVARIANT, layer, f"rows of step {w.step} pulled twice")
         return nbytes
 
@@ -429,15 +360,12 @@ class CudaTransport(Transport):
         w = self.worker
         if w.phase is Phase.STEP:
             return self._pulled[layer] == w.step and self._waited[layer] != w.step
-        return layer in self._capture_pending or layer in self._eager_forks
+        return layer in self._capture_pending
 
     def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
-        """`pull_async` in a local forward: zero rows eagerly (a later captured join is then
-        an external one: piecewise); a capture records the fork."""
+        """`pull_async` in a local forward: zero rows eagerly; a capture records the fork."""
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
-            if self._capture is not None:
-                self._eager_forks.add(layer)
             return
         self._check_local_capture(layer)
         nbytes = self._geometry(layer, out)
@@ -447,30 +375,20 @@ class CudaTransport(Transport):
         self._capture_pending.add(layer)
 
     def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
-        """`pull_wait` in a local forward: nothing eagerly; a capture records the join (of a
-        fork it captured, or of an eager one: piecewise)."""
+        """`pull_wait` in a local forward: nothing eagerly; a capture records the join of the
+        fork it captured."""
         if not torch.cuda.is_current_stream_capturing():
-            self._eager_forks.discard(layer)
             return
-        if self._capture is None or not (layer in self._capture_pending
-                                         or layer in self._eager_forks):
+        if self._capture is None or layer not in self._capture_pending:
             self._fail(Reason.INVARIANT, layer, "captured wait for a layer whose async pull "
-                       "this forward did not start, or waited twice")
-        if layer in self._capture_pending:
-            self._join(layer, self._stream(), fork_captured=True)
-            self._capture_pending.discard(layer)
-            return
-        self._check_local_capture(layer)
-        self._geometry(layer, out)
-        self._join(layer, self._stream(), external=True)
-        self._eager_forks.discard(layer)
-        self._capture_joins.append((layer, out.shape[0]))
+                       "this capture did not start, or waited twice")
+        self._join(layer, self._stream())
+        self._capture_pending.discard(layer)
 
     def _check_local_capture(self, layer: int) -> None:
         if self.worker.phase is not Phase.LOCAL or self._capture is None:
             self._fail(Reason.STATE, layer, "capture outside a local forward")
-        if (any(c.layer == layer for c in self._capture)
-                or any(j == layer for j, _ in self._capture_joins)):
+        if any(c.layer == layer for c in self._capture):
             self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
 
     def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
@@ -482,14 +400,6 @@ class CudaTransport(Transport):
         mode = self._enqueue(layer, out, nbytes, self._stream())
         self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode))
 
-    def capture_release(self) -> None:
-        """Put the release into the graph being captured (a whole-step graph)."""
-        if self._capture is None or not torch.cuda.is_current_stream_capturing():
-            raise PleConfigError("capture_release() belongs inside a local forward that is "
-                                 "being captured")
-        self._launch_release(self._stream())
-        self._capture_release = True
-
     def _launch_release(self, stream: int) -> None:
         self.kernels.launch_release(self._base_dev, self._nflags, self._flag0, SLOT_STRIDE,
                                     RELEASED_OFF, stream)
@@ -498,102 +408,55 @@ class CudaTransport(Transport):
     def local_forward(self) -> Iterator[None]:
         if self._capture is not None:
             raise PleConfigError("local forwards do not nest")
-        self._capture, self._capture_release = [], False
-        self._capture_pending, self._eager_forks, self._capture_joins = set(), set(), []
+        self._capture, self._capture_pending = [], set()
         try:
             yield
         finally:
             copies, self._capture = self._capture, None
-            joins, self._capture_joins = self._capture_joins, []
-            self._eager_forks = set()
             if self._capture_pending:
                 self._fail(Reason.GEOMETRY, min(self._capture_pending),
                            f"captured async pulls of layers {sorted(self._capture_pending)} "
                            "were never waited")
-            if copies or joins or self._capture_release:
-                self._store_capture(copies, joins, self._capture_release)
+            if copies:
+                self._store_capture(copies)
 
-    def _store_capture(self, copies: list[LayerCopy], joins: list[tuple[int, int]],
-                       release: bool) -> None:
-        rows = {c.rows for c in copies} | {r for _, r in joins}
-        layers = sorted([c.layer for c in copies] + [j for j, _ in joins])
+    def _store_capture(self, copies: list[LayerCopy]) -> None:
+        rows = {c.rows for c in copies}
+        layers = sorted(c.layer for c in copies)
         if len(rows) != 1 or layers != list(range(self._nflags)):
-            self._fail(Reason.GEOMETRY, layers[0] if layers else 0,
-                       f"captured forward copies or joins rows {sorted(rows)} for layers "
-                       f"{layers}; every one of the {self._nflags} layers must be consumed "
-                       "once, at the same token count")
-        rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies), release=release,
-                            joins=tuple(j for j, _ in joins))
+            self._fail(Reason.GEOMETRY, layers[0],
+                       f"captured forward copies rows {sorted(rows)} for layers {layers}; "
+                       f"every one of the {self._nflags} layers must be consumed once, at the "
+                       "same token count")
+        rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies))
         self.captures.setdefault(rec.rows, []).append(rec)
-        self.last_capture = rec
         log_event("cuda_graph_captured", rank=self.worker.rank, rows=rec.rows,
                   bytes=sum(c.nbytes for c in copies), modes=sorted({c.mode for c in copies}),
-                  late=sum(c.late for c in copies), joins=len(joins),
-                  release_in_graph=release)
-        if (self.options.piecewise_starts == "eager" and copies and not joins
-                and not any(c.late for c in copies)):
-            log_event("piecewise_starts_not_applied", rank=self.worker.rank, rows=rec.rows,
-                      detail="RAY_PLE_CUDA_PIECEWISE_STARTS=eager, yet this capture pulls in "
-                      "stream order: its starts were captured inside a piece")
-
-    def replayed(self, record: CaptureRecord) -> None:
-        """Declare that the graph of `record` serves the step in flight (call before replay)."""
-        w = self.worker
-        if w.phase is not Phase.STEP:
-            self._fail(Reason.NO_TRANSACTION, 0, "graph replayed outside a posted step")
-        if record.rows != w.rows:
-            self._fail(Reason.GEOMETRY, record.copies[0].layer if record.copies else 0,
-                       f"graph copies {record.rows} rows per layer, step {w.step} posted "
-                       f"{w.rows}")
-        if w.step in self._replayed or any(p == w.step for p in self._pulled):
-            self._fail(Reason.INVARIANT, 0, f"rows of step {w.step} consumed twice")
-        self._replayed = {w.step: record}
+                  late=sum(c.late for c in copies))
 
     def release(self, step: int) -> None:
-        rec = self._replayed.pop(step, None)
-        self._check_consumed(step, rec)
-        if rec is None or not rec.release:
-            self._launch_release(self._stream())
+        self._check_consumed(step)
+        self._launch_release(self._stream())
 
-    def _check_consumed(self, step: int, rec: CaptureRecord | None) -> None:
+    def _check_consumed(self, step: int) -> None:
         """Every layer's rows of `step` went to exactly one consumer of the right size."""
-        eager = [i for i, p in enumerate(self._pulled) if p == step]
-        if rec is None and not eager:
-            # a graph replayed by an engine that does not declare it (vLLM): the capture of
-            # this token count must exist and copy exactly these rows for every layer (not
-            # one that joins eager pulls: with none started, its joins would wait for no copy)
+        pulled = [i for i, p in enumerate(self._pulled) if p == step]
+        if not pulled:
+            # a graph replayed (vLLM's runner declares no replay): a capture of this token
+            # count must exist, and it copies exactly these rows for every layer
             t = self.worker.rows
-            known = [r for r in self.captures.get(t, []) if not r.release and not r.joins]
-            if not known:
+            if not self.captures.get(t):
                 self._fail(Reason.GEOMETRY, 0,
                            f"step {step} ({t} tokens) was consumed by no pull and no graph "
                            f"captured for {t} tokens (captured: {sorted(self.captures)})")
             return
-        unwaited = [i for i in eager if self._waited[i] != step]
+        unwaited = [i for i in pulled if self._waited[i] != step]
         if unwaited:
-            self._check_graph_joins(step, rec, unwaited)
-        graph = [c.layer for c in rec.copies] if rec is not None else []
-        if sorted(eager + graph) != list(range(self._nflags)):
-            self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled eagerly {eager}, by "
-                       f"graph {graph}; each of {self._nflags} must be consumed once")
-
-    def _check_graph_joins(self, step: int, rec: CaptureRecord | None,
-                           unwaited: list[int]) -> None:
-        """Async pulls of `step` that no Python join waited (piecewise: the pieces replayed
-        joined them): a graph captured for the step's token count must join exactly these
-        layers (the declared one, or, vLLM declaring none, one of that count's captures),
-        and the release waits for their copies in any case, so that it never resets a
-        flag under a copy still reading the slot."""
-        t, want = self.worker.rows, set(unwaited)
-        graphs = [rec] if rec is not None else self.captures.get(t, [])
-        if not any(set(g.joins) == want and g.rows == t for g in graphs):
             self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of layers "
-                       f"{unwaited} were never waited before the release, and no graph "
-                       f"captured for {t} tokens joins them")
-        model = self._stream()
-        for layer in unwaited:
-            self._join(layer, model)
-            self._waited[layer] = step
+                       f"{unwaited} were never waited before the release")
+        if pulled != list(range(self._nflags)):
+            self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled {pulled}; each of "
+                       f"{self._nflags} must be consumed once")
 
     def close(self) -> None:
         """Registrations stay for the process (graphs hold the addresses)."""

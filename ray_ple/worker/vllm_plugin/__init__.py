@@ -9,8 +9,7 @@ from __future__ import annotations
 from ray_ple.protocol.geometry import ARCHITECTURES
 
 _MODULES = {
-    # Gemma 4's offload class waits for each part of its rows at that part's first layer
-    "RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.late_gemma4:LateRayPleGemma4ForCausalLM",
+    "RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.gemma4:RayPleGemma4ForCausalLM",
     "RayPleGemma3nForCausalLM": "ray_ple.worker.vllm_plugin.gemma3n:RayPleGemma3nForCausalLM",
 }
 
