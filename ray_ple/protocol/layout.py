@@ -40,7 +40,7 @@ ANNOUNCED_OFF = 704
 SLOTS_OFF, SLOT_STRIDE = 1024, 192  # per slot: flag @ +0, published @ +64, stamp @ +128
 PUBLISHED_IN_SLOT, STAMP_IN_SLOT = 64, 128
 MAX_SLOTS = 128
-LAYERS_OFF, LAYER_STRIDE, MAX_LAYERS = SLOTS_OFF, SLOT_STRIDE, MAX_SLOTS  # the v1 names
+SNAPSHOT_TRIES = 8  # passes over the counters before a snapshot says it found no instant
 
 
 class Side(enum.Enum):
@@ -122,6 +122,7 @@ class ControlBlock:
                  words: bytearray | None = None) -> None:
         buf = seg.map if seg is not None else words
         self.segment, self.layout = seg, layout
+        self.stable = True  # a mapped block, or a snapshot whose counters are one instant's
         self._state = _u32(buf, STATE_OFF, 2)
         self._hb_worker = _u64(buf, HB_WORKER_OFF)
         self._hb_offload = _u64(buf, HB_OFFLOAD_OFF)
@@ -146,22 +147,37 @@ class ControlBlock:
                       for rb, off in zip(layout.row_bytes, layout.slot_offsets)]
 
     @classmethod
-    def snapshot(cls, fd: int, layout: PairLayout) -> ControlBlock | None:
+    def snapshot(cls, fd: int, layout: PairLayout,
+                 tries: int = SNAPSHOT_TRIES) -> ControlBlock | None:
         """The words pages read with pread, never mapped: a watcher cannot fault on a segment
-        that was taken away. None when the segment is shorter than its layout."""
+        that was taken away. None when the segment is shorter than its layout.
+
+        The counters are then read like a seqlock, pass after pass (`released`, `published`,
+        `posted`, one pread each) until two consecutive passes agree: counters only grow, so
+        two equal passes are one instant's values (each counter held its value from the end
+        of the first pass to the start of the second). No two passes agree within `tries`:
+        the block's `stable` is False and its counters are no instant's (read again later).
+        """
         if os.fstat(fd).st_size < layout.size:
             return None
         words = bytearray(os.pread(fd, layout.words_bytes, 0))
         if len(words) != layout.words_bytes:
             return None
-        # The counters once more, one word each, in the order that cannot tear across steps
-        # (`released` moves last, `posted` first): one copy of the page reads them low to high.
-        for off in (RELEASED_OFF, *layout.published_offsets, POSTED_OFF):
-            word = os.pread(fd, 8, off)
-            if len(word) != 8:
+        offsets = (RELEASED_OFF, *layout.published_offsets, POSTED_OFF)
+        seen: list[bytes] = []
+        stable = False
+        for _ in range(tries):
+            now = [os.pread(fd, 8, off) for off in offsets]
+            if any(len(word) != 8 for word in now):
                 return None
+            stable, seen = now == seen, now
+            if stable:
+                break
+        for off, word in zip(offsets, seen):
             words[off:off + 8] = word
-        return cls(None, layout, words)
+        block = cls(None, layout, words)
+        block.stable = stable
+        return block
 
     @staticmethod
     def write_state(fd: int, state: State) -> None:

@@ -79,6 +79,22 @@ class ProcessSet:
         self._hold(pid, fd, what)
         return True
 
+    def adopt(self, pid: int, what: str, root: int) -> bool:
+        """Hold `pid` if it descends from `root`, checked after its pidfd opened: a pid
+        recycled before the open fails the check, one recycled after it cannot be the
+        process the pidfd holds. False (nothing held) otherwise."""
+        if pid in self._fds:
+            return descends_from(pid, root)
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        if not descends_from(pid, root):
+            os.close(fd)
+            return False
+        self._hold(pid, fd, what)
+        return True
+
     def adopt_descendants(self, root: int) -> None:
         """Hold every current descendant of `root`, each vouched for after its pidfd opened."""
         try:
@@ -86,16 +102,22 @@ class ProcessSet:
         except psutil.Error:
             return
         for child in children:
-            if child.pid in self._fds:
-                continue
-            try:
-                fd = os.pidfd_open(child.pid)
-            except OSError:
-                continue
-            if not descends_from(child.pid, root):  # the pid was recycled meanwhile
-                os.close(fd)
-                continue
-            self._hold(child.pid, fd, _name(child))
+            if child.pid not in self._fds:
+                self.adopt(child.pid, _name(child), root)
+
+    def discard(self, pid: int) -> None:
+        """Stop holding `pid` (one that turned out not to be ours)."""
+        fd, _ = self._fds.pop(pid)
+        self.poller.unregister(fd)
+        del self._pid_of[fd]
+        os.close(fd)
+        if (stat := self._stat.pop(pid, None)) is not None:
+            os.close(stat)
+
+    def close(self) -> None:
+        """Let go of every fd (the watcher's way out)."""
+        for pid in list(self._fds):
+            self.discard(pid)
 
     def named(self) -> dict[int, str]:
         return {pid: what for pid, (_, what) in self._fds.items()}

@@ -7,7 +7,8 @@ at once when a watched process exits (pidfds):
     liveness    the replica, its node's raylet, every engine worker and offload actor:
                 dead, or stopped (SIGSTOP) -> verdict
     state       a pair marked FAILED by either side (its first reason wins)
-    counters    each only grows; released <= published <= posted <= released + 1
+    counters    each only grows; released <= published <= posted <= released + 1, judged
+                only on a snapshot whose counters are one instant's (`ControlBlock.snapshot`)
     deadlines   startup (pairs + engine), a posted step released within step_s, its rows
                 published within offload_wait_s; heartbeats of both sides
     metrics     transactions, hand-off latency, deadline misses, verdicts
@@ -26,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -52,12 +54,13 @@ from ray_ple.protocol.transaction import (
 from ray_ple.supervision import metrics
 from ray_ple.supervision.engine_leftovers import files_of, files_of_tree, remove_unused
 from ray_ple.supervision.offload_group import OffloadGroup
-from ray_ple.supervision.processes import ProcessSet, descends_from
+from ray_ple.supervision.processes import ProcessSet
 
 KV_PREFIX = "ray_ple:verdict:"
 CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more
 METRICS_FLUSH_S = 12.0  # > Ray's metrics report interval (10 s), so the verdict is exported
-CONFIRM_S = 0.005  # between a counter violation and the read that confirms it
+CLOSE_LINGER_S = 2.0  # after an orderly close: answer what is in flight
+NAME_S = 0.005  # a side that checks the same counters names a broken step's cause first
 _DEADLINES = {Reason.STEP_DEADLINE: "step", Reason.PUBLISH_DEADLINE: "publish",
               Reason.OFFLOAD_WAIT: "offload_wait", Reason.CONSUME_WAIT: "consume",
               Reason.HEARTBEAT: "heartbeat", Reason.STARTUP_DEADLINE: "startup"}
@@ -110,13 +113,20 @@ class _Watched:
         self.last = Counters(0, tuple(0 for _ in handle.slots), 0)
         self.unreleased = step_deadline(deadlines)
         self.unpublished = publish_deadline(deadlines)
+        self.unstable = 0  # snapshots whose counters never held still (no verdict on those)
 
     def read(self) -> ControlBlock:
+        """A snapshot; its `stable` says whether the counters are one instant's."""
         block = ControlBlock.snapshot(self.fd, self.layout)
         if block is None:
             raise _Problem(Reason.SEGMENT_LOST, "pair segment shrank under a live pair",
                            rank=self.handle.rank)
         return block
+
+    def close(self) -> None:
+        """Let go of the segment; a later read fails (EBADF), never reads a reused fd."""
+        fd, self.fd = self.fd, -1
+        os.close(fd)
 
     def set_state(self, state: State) -> None:
         ControlBlock.write_state(self.fd, state)
@@ -125,12 +135,22 @@ class _Watched:
         ControlBlock.write_failure(self.fd, reason)
 
 
-class Supervisor:
-    """`ray.remote(Supervisor)`: created by the replica's server, detached, on its node."""
+def exit_after(linger_s: float) -> None:
+    """End this process `linger_s` from now (the supervisor's way out)."""
+    threading.Timer(linger_s, os._exit, args=(0,)).start()
 
-    def __init__(self, spec: SupervisorSpec, replica: Any, placement_group: Any) -> None:
+
+class Supervisor:
+    """`ray.remote(Supervisor)`: created by the replica's server, detached, on its node.
+
+    `exit_soon(linger_s)` is how it leaves once its replica is gone: this process ends
+    (`exit_after`); a test that hosts a supervisor passes one that leaves the test alone."""
+
+    def __init__(self, spec: SupervisorSpec, replica: Any, placement_group: Any,
+                 exit_soon: Callable[[float], None] = exit_after) -> None:
         self.spec = SupervisorSpec.model_validate(spec)  # re-checked on arrival
         self._replica, self._pg = replica, placement_group
+        self._exit_soon = exit_soon
         self._pairs = OffloadGroup(self.spec.ple, self.spec.geometry, self.spec.sources,
                               tag=self.spec.tag)
         self._watched: list[_Watched] = []
@@ -157,9 +177,16 @@ class Supervisor:
         handles = self._pairs.start(self.spec.world_size, self._pg, bundles)
         with self._lock:
             for handle in handles:
-                self._watched.append(_Watched(handle, self.spec.ple.deadlines))
-                # the handle's pid is the creator of the segment just opened by fd: ours
-                self._procs.add(handle.segment.pid, f"offload[{handle.rank}]")
+                # the pidfd first, then the segment through that pid's fd table: the inode
+                # the handle names vouches that the pidfd holds our offload actor
+                pid, what = handle.segment.pid, f"offload[{handle.rank}]"
+                if not self._procs.add(pid, what):
+                    raise PleError(f"{what} (pid {pid}) exited before it was watched")
+                try:
+                    self._watched.append(_Watched(handle, self.spec.ple.deadlines))
+                except Exception:
+                    self._procs.discard(pid)
+                    raise
         return EngineHandles(pairs=tuple(handles))
 
     def engine_started(self) -> EngineAttached:
@@ -171,9 +198,9 @@ class Supervisor:
                 if block.state is not State.READY:
                     raise PleError(f"engine started but worker rank {w.handle.rank} never "
                                    f"attached (pair is {block.state.name})")
-                pid = block.worker_pid  # read from shared memory: vouched for before use
-                if not descends_from(pid, self.spec.replica_pid) or not self._procs.add(
-                        pid, f"worker[{w.handle.rank}]"):
+                pid = block.worker_pid  # read from shared memory: vouched for once held
+                if not self._procs.adopt(pid, f"worker[{w.handle.rank}]",
+                                         self.spec.replica_pid):
                     raise PleError(f"worker rank {w.handle.rank} reports pid {pid}, which is "
                                    "not a live process of this replica")
                 pids.append(pid)
@@ -228,7 +255,7 @@ class Supervisor:
             time.sleep(0.1)
         log_event("replica_closed", replica=self.spec.tag, still_running=self._procs.running(),
                   shm_removed=remove_unused(self._leftovers))
-        self._exit_soon()
+        self._leave(CLOSE_LINGER_S)
 
     def _check(self) -> None:
         now = time.monotonic_ns()
@@ -249,21 +276,20 @@ class Supervisor:
         if b.state is State.CLOSED and not self._closing:
             raise _Problem(Reason.STATE, "pair closed while the replica serves",
                            rank=handle.rank)
+        if not b.stable:  # counters that moved throughout the read: no instant's, so no
+            w.unstable += 1  # verdict on them; the next poll reads again (a stuck pair reads
+            return  # stable, and its deadlines run)
         c = b.counters()
-        if went_back(w.last, c) or invariant_violation(c):
-            # a stall inside one read can mix two steps: only a second read, CONFIRM_S later,
-            # that still breaks a rule is a verdict. The sides check the same counters where
-            # they move them; a side that failed closed meanwhile names the cause (this read
-            # could otherwise land inside the offload side's wake-up and call a skipped post
-            # INVARIANT, as it did once in a fault row). The sides themselves hold the pair.
-            time.sleep(CONFIRM_S)
-            again = w.read()
-            if again.state is State.FAILED:
+        if (f := went_back(w.last, c) or invariant_violation(c)) is not None:
+            # One instant's counters (a stable snapshot) that break a rule: a verdict, never
+            # read again for a second opinion. The offload side checks the same counters when
+            # it wakes for the step and holds the pair meanwhile; NAME_S lets a side that
+            # failed closed name the cause (a skipped post is its COUNTER_SKIP).
+            time.sleep(NAME_S)
+            if (again := w.read()).state is State.FAILED:
                 raise _Problem(Reason(again.reason), "a side of the pair failed closed",
                                rank=handle.rank, seq=again.posted)
-            c = again.counters()
-            if (f := went_back(w.last, c) or invariant_violation(c)) is not None:
-                raise _Problem.of(f, handle, c.posted)
+            raise _Problem.of(f, handle, c.posted)
         if c.released > w.last.released:
             metrics.transactions(self.spec.tag, handle.rank, c.released - w.last.released)
             post_ns, publish_ns = b.stamps()
@@ -282,28 +308,31 @@ class Supervisor:
         """End the replica: first, and whatever fails on the way, no step can be taken and
         every process is killed; then the record (log line, metrics, verdict, KV)."""
         t0, detected_at = time.monotonic(), time.time()
-        failures = []
-        for w in self._watched:
+        failures: list[str] = []
+        try:
+            for w in self._watched:
+                try:
+                    w.fail(p.reason)
+                except Exception as exc:  # noqa: BLE001 - a segment gone: nobody steps in it
+                    failures.append(f"mark rank {w.handle.rank}: {exc!r}")
             try:
-                w.fail(p.reason)
-            except Exception as exc:  # noqa: BLE001 - a segment gone: nobody can step in it
-                failures.append(f"mark rank {w.handle.rank}: {exc!r}")
-        try:
-            self._procs.adopt_descendants(self.spec.replica_pid)
-        except Exception as exc:  # noqa: BLE001 - the held processes are still killed
-            failures.append(f"list: {exc!r}")
-        failures += self._procs.kill_all()
-        self._verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
-                                layer=p.layer, seq=p.seq, detail=p.detail[:500],
-                                detected_at=detected_at)
-        failures += self._ray_kill()
-        try:
+                self._procs.adopt_descendants(self.spec.replica_pid)
+            except Exception as exc:  # noqa: BLE001 - the held processes are still killed
+                failures.append(f"list: {exc!r}")
+            failures += self._procs.kill_all()
+            try:
+                failures += self._ray_kill()
+            except Exception as exc:  # noqa: BLE001 - the processes are killed already
+                failures.append(f"ray.kill: {exc!r}")
+            self._verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
+                                    layer=p.layer, seq=p.seq, detail=p.detail[:500],
+                                    detected_at=detected_at)
             self._record(p, t0, failures)
-        except Exception as exc:  # noqa: BLE001 - the replica is ended; only the record failed
+        except Exception as exc:  # noqa: BLE001 - every process is killed; the rest is a record
             log_event("verdict_record_failed", level=logging.ERROR, replica=self.spec.tag,
-                      reason=p.reason.name, error=repr(exc))
+                      reason=p.reason.name, error=repr(exc), failures=failures)
         finally:
-            self._exit_soon(METRICS_FLUSH_S)
+            self._leave(METRICS_FLUSH_S)
 
     def _ray_kill(self) -> list[str]:
         import ray
@@ -342,10 +371,17 @@ class Supervisor:
 
         internal_kv._internal_kv_put(KV_PREFIX + self.spec.tag, verdict.model_dump_json())
 
-    def _exit_soon(self, linger_s: float = 2.0) -> None:
-        """Leave after answering what is in flight (and, after a verdict, after the metrics
-        reporter has shipped the verdict); nothing of the replica is left to outlive."""
-        threading.Timer(linger_s, os._exit, args=(0,)).start()
+    def _leave(self, linger_s: float) -> None:
+        """Let go of every fd, then leave after answering what is in flight (and, after a
+        verdict, after the metrics reporter has shipped it): nothing is left to outlive."""
+        try:
+            with self._lock:  # no call in flight reads a pair or a pidfd while they close
+                for w in self._watched:
+                    w.close()
+                self._procs.close()
+                self._raylet.close()
+        finally:
+            self._exit_soon(linger_s)
 
 
 def read_verdicts() -> dict[str, Verdict]:
