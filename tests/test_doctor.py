@@ -59,7 +59,8 @@ def test_shm_smaller_than_table_slots_and_object_store_fails():
 
 
 def test_missing_shm_dir_fails():
-    rc, got = doctor("--transport", "cpu", "--shm-dir", "/nonexistent-ray-ple-shm")
+    rc, got = doctor("--transport", "cpu", "--table-bytes", "1Mi",
+                     "--shm-dir", "/nonexistent-ray-ple-shm")
     assert rc == 1 and got["shm"] == "FAIL"
 
 
@@ -99,7 +100,8 @@ def test_checkpoint_table_checked_against_its_budget(tmp_path):
 
 
 def test_doctor_loads_no_cuda_and_no_torch_on_a_cpu_machine():
-    code = ("import sys; from ray_ple.tools.cli import main; rc = main(['doctor']); "
+    code = ("import sys; from ray_ple.tools.cli import main; "
+            "rc = main(['doctor', '--table-bytes', '20480']); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('cuda', 'torch', 'vllm', 'ray')); print('LOADED', bad); "
             "print('MAPPED', 'libcuda' in open('/proc/self/maps').read()); sys.exit(rc)")
@@ -140,3 +142,51 @@ def test_doctor_says_where_the_table_will_sit_by_the_hugetlb_pool(huge_pool):
     assert f"the table goes on {page >> 20} MiB pages" in huge_line()
     huge_pool(need - 1)
     assert "the table goes on 4 KiB pages" in huge_line()
+
+
+def test_nothing_to_check_says_so_and_does_not_pass():
+    """No sizes, checkpoint or config: not a PASS against "need 0 B"."""
+    proc = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor"], check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "nothing to check" in proc.stderr
+
+
+def test_the_logged_table_size_is_the_rows_and_the_budget_the_segment(tmp_path):
+    """The server logs the rows (`table_bytes` 16384 for the tiny model); the segment holds a
+    header page besides: doctor names both, so the FAIL against the rows says why."""
+    from ray_ple.tiny_model import PRESETS, build
+
+    ckpt = str(build(PRESETS["tiny-gemma4"]))
+    out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--transport",
+                          "cpu", "--table-bytes", "16384", "--checkpoint", ckpt], check=False,
+                         capture_output=True, text=True, timeout=60)
+    line = next(x for x in out.stdout.splitlines() if " table: " in x)
+    assert out.returncode == 1 and line.startswith("FAIL"), out.stdout
+    assert "(20480 B: header page + rows 256 x 64 B = 16384 B) > sized for 16384 B" in line
+
+
+def test_config_figures_come_from_the_servers_plan(tmp_path):
+    """`--config`: the per-layer vocabulary (192 rows, not the 256 of the vocabulary), the
+    resident layer (its columns never in a slot) and the parts come from the config, as the
+    server takes them; the node checks use those figures."""
+    import yaml
+
+    from tests.serving import load_config
+
+    cfg = load_config()
+    llm = cfg["applications"][0]["args"]["llm_configs"][0]
+    llm["model_loading_config"]["model_source"] = "ray-ple://tiny-gemma4-ple192"
+    llm["ple"].update(resident_layers=1, parts=2)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, got = doctor("--config", str(path))
+    assert rc == 0 and set(got.values()) == {"PASS"}, got
+    out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--config",
+                          str(path)], check=False, capture_output=True, text=True, timeout=60)
+    table = next(x for x in out.stdout.splitlines() if " table: " in x)
+    # 192 rows x 3 layers x 16 values (bf16); slots: 2 offloaded layers in parts of 1
+    assert "[192, 48] bfloat16 18432 B (segment 24576 B with its header page)" in table
+    assert "slots 256 tokens x 64 B in parts [1, 1] after 1 resident of 3 layers" in table
+    shm = next(x for x in out.stdout.splitlines() if " shm: " in x)
+    assert "table 24.00 KiB + 1 x pair" in shm, shm

@@ -123,6 +123,41 @@ def test_two_replicas_share_one_host_table(served):
         "the two Gemma 4 replicas map one table segment; the Gemma 3n replica its own"
 
 
+def _logged(log: str, event: str) -> list[dict]:
+    """Every `log_event` line of `event` in `serve run`'s output (actors' lines carry a
+    Ray prefix before the JSON)."""
+    tag = '{"ray_ple":"' + event + '"'
+    return [json.loads(line[line.index(tag):]) for line in log.splitlines() if tag in line]
+
+
+def test_doctor_figures_equal_what_the_server_logs(served):
+    """`ray-ple doctor --config` on this very config: its table rows, pair segments and slot
+    tokens are the ones the builder, the table loaders and the offload actors log."""
+    import re
+    import subprocess
+    import sys
+
+    config = served.log.parent / "ple-test.yaml"
+    out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--config",
+                          str(config)], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = next(x for x in out.stdout.splitlines() if x.startswith("PASS table: "))
+    fig = re.compile(r"^(\S+): table \S+ \[\d+, \d+\] \w+ (\d+) B .*slots (\d+) tokens .*"
+                     r"pair segment (\d+) B; transport \w+, (\d+) replica")
+    doctor = {m[1]: (int(m[2]), int(m[3]), int(m[4]), int(m[5])) for m in (
+        fig.match(part) for part in table[len("PASS table: "):].split(" | "))}
+    assert set(doctor) == {"tiny-gemma4", "tiny-gemma3n"}, table
+    log = served.log.read_text()
+    built = {e["model_id"]: (e["table_bytes"], e["max_tokens"])
+             for e in _logged(log, "build_model") if e["offload"]}
+    assert built == {k: v[:2] for k, v in doctor.items()}, (built, doctor)
+    held = sorted(e["bytes"] for e in _logged(log, "table_hold"))
+    pairs = sorted(e["segment_bytes"] for e in _logged(log, "offload_ready"))
+    # one table per model on the node (the 2 replicas share theirs), one pair per replica
+    assert sorted(set(held)) == sorted(v[0] for v in doctor.values()), held
+    assert pairs == sorted(v[2] for v in doctor.values() for _ in range(v[3])), pairs
+
+
 # Images and audio: the models are served as text; a request with media is refused (400)
 def _png() -> str:
     from PIL import Image

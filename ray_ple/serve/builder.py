@@ -5,6 +5,7 @@ model. Everything is validated here, in the controller's build task, so a bad co
 clear error before any replica, actor or segment exists.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -12,7 +13,7 @@ from ray.serve import Application
 
 from ray_ple.base import Frozen
 from ray_ple.config import PleConfig, validation_message
-from ray_ple.engine_plan import plan_offload, slot_tokens
+from ray_ple.engine_plan import OffloadPlan, plan_offload, slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
 from ray_ple.serve.node_init import CALLBACK_CLS
@@ -136,13 +137,14 @@ def application_env_vars() -> dict[str, str]:
 
 
 def engine_env_vars(fields: dict[str, Any], model_env: dict[str, str],
-                    ours: dict[str, str]) -> dict[str, str]:
+                    ours: dict[str, str], app_env: dict[str, str] | None = None) -> dict[str, str]:
     """The offloaded replica's env vars: the application's, then the deployment's
     `ray_actor_options`, then the model's `runtime_env`, then ray-ple's own, each layer over
     the last (what a plain replica gets, plus ours); a user value ray-ple must set otherwise
     is refused."""
     actor_opts = (fields.get("deployment_config") or {}).get("ray_actor_options") or {}
-    user = {**application_env_vars(),
+    app = application_env_vars() if app_env is None else app_env
+    user = {**app,
             **((actor_opts.get("runtime_env") or {}).get("env_vars") or {}), **model_env}
     clash = {k: v for k, v in user.items() if k in ours and str(v) != ours[k]}
     if clash:
@@ -151,8 +153,24 @@ def engine_env_vars(fields: dict[str, Any], model_env: dict[str, str],
     return {**user, **ours}
 
 
-def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
-    """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
+@dataclass(frozen=True)
+class CheckedModel:
+    """One model exactly as `build_app` hands it to Ray Serve LLM, and how it was planned."""
+
+    llm: Any  # the final LLMConfig
+    ple: PleConfig
+    checkpoint_dir: str
+    transport: str | None = None  # None: served without the offload (`ple.enabled: false`)
+    plan: OffloadPlan | None = None
+
+
+def check_model(entry: dict[str, Any], index: int, app_env: dict[str, str]) -> CheckedModel:
+    """Everything `build_app` validates for one model (the `ple:` block, the refusals, the
+    engine settings, the checkpoint's config), without Ray running: `ray-ple check` calls it
+    too, so a config it passes is one `build_app` accepts and its errors are the same text.
+
+    `app_env` is the application's `runtime_env.env_vars` (what the build task runs in).
+    """
     from ray.serve.llm import LLMConfig
 
     llm, ple = parse_entry(entry, index)
@@ -163,13 +181,14 @@ def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
     fields["model_loading_config"] = {**fields.get("model_loading_config", {}),
                                       "model_source": checkpoint}
     if not ple.enabled:
-        log_event("build_model", model_id=mlc.model_id, offload=False)
-        return LLMConfig.model_validate(fields)
+        return CheckedModel(llm=LLMConfig.model_validate(fields), ple=ple,
+                            checkpoint_dir=checkpoint)
     transport = _transport(llm, ple)
     plan = plan_offload(checkpoint, ple, llm.engine_kwargs, transport)
     _check_server_cls(llm)
     runtime_env = dict(fields.get("runtime_env") or {})
-    runtime_env["env_vars"] = engine_env_vars(fields, runtime_env.get("env_vars") or {}, plan.env)
+    runtime_env["env_vars"] = engine_env_vars(fields, runtime_env.get("env_vars") or {},
+                                              plan.env, app_env)
     server_plan = ServerPlan(ple=ple, model_source=source, checkpoint_dir=checkpoint,
                              transport=transport, world_size=plan.world_size,
                              geometry=plan.geometry, sources=plan.sources)
@@ -183,19 +202,40 @@ def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
         experimental_configs={**(fields.get("experimental_configs") or {}),
                               **server_plan.to_experimental()},
     )
-    log_event("build_model", model_id=mlc.model_id, offload=True, transport=transport,
-              world_size=plan.world_size, max_tokens=plan.geometry.max_tokens,
-              table_bytes=sum(g.table_bytes for g in plan.geometry.layers))
-    return LLMConfig.model_validate(fields)
+    return CheckedModel(llm=LLMConfig.model_validate(fields), ple=ple, checkpoint_dir=checkpoint,
+                        transport=transport, plan=plan)
+
+
+def check_app(args: PleAppArgs | dict[str, Any],
+              app_env: dict[str, str]) -> tuple[PleAppArgs, list[CheckedModel]]:
+    """The application's args and each model as `build_app` builds them; one clear error
+    (`PleConfigError`, or `PleModelError` for the checkpoint) for the first bad one."""
+    args = app_args(args)
+    return args, [check_model(e, i, app_env) for i, e in enumerate(args.llm_configs)]
+
+
+def offload_llm_config(entry: dict[str, Any], index: int = 0) -> Any:
+    """One model's LLMConfig with the offload wired in (or plain, when `ple.enabled: false`)."""
+    return _logged(check_model(entry, index, application_env_vars()))
+
+
+def _logged(m: CheckedModel) -> Any:
+    mlc = m.llm.model_loading_config
+    if m.plan is None:
+        log_event("build_model", model_id=mlc.model_id, offload=False)
+    else:
+        log_event("build_model", model_id=mlc.model_id, offload=True, transport=m.transport,
+                  world_size=m.plan.world_size, max_tokens=m.plan.geometry.max_tokens,
+                  table_bytes=sum(g.table_bytes for g in m.plan.geometry.layers))
+    return m.llm
 
 
 def build_app(args: PleAppArgs) -> Application:
     """`import_path: ray_ple.serve:build_app`; returns Ray Serve LLM's OpenAI application."""
     from ray.serve.llm import build_openai_app
 
-    args = app_args(args)
-    serving: dict[str, Any] = {"llm_configs": [offload_llm_config(e, i)
-                                               for i, e in enumerate(args.llm_configs)]}
+    args, models = check_app(args, application_env_vars())
+    serving: dict[str, Any] = {"llm_configs": [_logged(m) for m in models]}
     if args.ingress_deployment_config is not None:
         serving["ingress_deployment_config"] = args.ingress_deployment_config
     return build_openai_app(serving)

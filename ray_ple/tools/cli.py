@@ -1,5 +1,6 @@
 """`ray-ple`: operator commands.
 
+    ray-ple check SERVE.yaml      would `serve run` accept it, can this node hold it (no Ray)
     ray-ple doctor [...]          can this pod hold what ray-ple will ask of it (k8s init step)
     ray-ple render-k8s [--check]  write (or compare) k8s/*.yaml and k8s/README.md's sizing
 
@@ -22,7 +23,13 @@ def _doctor(ns: argparse.Namespace) -> int:
         transport=ns.transport, table_bytes=ns.table_bytes, pair_bytes=ns.pair_bytes,
         workers=ns.workers, object_store_bytes=ns.object_store_bytes,
         shm_headroom_bytes=ns.shm_headroom_bytes, shm_dir=ns.shm_dir,
-        checkpoint=ns.checkpoint, dtype=ns.dtype))
+        checkpoint=ns.checkpoint, dtype=ns.dtype, config=ns.config))
+
+
+def _check(ns: argparse.Namespace) -> int:
+    from ray_ple.tools.check import main
+
+    return main(ns.config, read_checkpoint=not ns.no_checkpoint, shm_dir=ns.shm_dir)
 
 
 def _render_k8s(ns: argparse.Namespace) -> int:
@@ -47,6 +54,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ray-ple", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
+    c = sub.add_parser("check", help="validate a serve config as build_app does, without Ray; "
+                       "exit 1 with serve run's error")
+    c.add_argument("config", help="a `serve run` config (an application of "
+                   "ray_ple.serve:build_app)")
+    c.add_argument("--no-checkpoint", action="store_true",
+                   help="checkpoints live elsewhere: validate what needs none; no table or "
+                   "node check")
+    c.add_argument("--shm-dir", default="/dev/shm")
+    c.set_defaults(run=_check)
+
     d = sub.add_parser("doctor", help="preflight checks, one line each; exit 1 on FAIL")
     d.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda where a GPU is visible")
@@ -59,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--shm-dir", default="/dev/shm")
     d.add_argument("--checkpoint", help="check its table against --table-bytes")
     d.add_argument("--dtype", help="engine dtype, for --checkpoint")
+    d.add_argument("--config", help="a `serve run` config: every figure from it, as the server "
+                   "computes them (this node holds all its replicas)")
     d.set_defaults(run=_doctor)
 
     r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/spec/clusters.yaml + serve_configs/")

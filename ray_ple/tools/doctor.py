@@ -14,9 +14,15 @@ memory that the table and slots will take, not memory they already hold.
     huge-pages   the hugetlb pool's free pages (less reserved ones, capped by the cgroup's
                  hugetlb limit) against the table segment: where `ple.huge_pages: auto`
                  puts it (never a FAIL)
-    table        (--checkpoint) the checkpoint's table fits the bytes the pod was sized for
+    table        (--checkpoint) the checkpoint's table segment (header page + rows) fits the
+                 bytes the pod was sized for; (--config) each model's checkpoint tensor has
+                 the shape and size the server will load, with every figure of the plan
 
-No CUDA library is loaded unless the transport is cuda and a GPU is visible.
+`--config SERVE.yaml` takes every figure from the serve config through the code `build_app`
+uses (table, slots, resident layers, parts, per-layer vocabulary): the numbers a running
+server logs. With neither sizes, a checkpoint nor a config there is nothing to check: it
+says so and exits 2. No CUDA library is loaded unless the transport is cuda and a GPU is
+visible; `--config` loads Ray Serve LLM's config classes (not Ray's runtime).
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import glob
 import mmap
 import os
 import resource
+import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from ray_ple.base import Frozen
 from ray_ple.errors import PleEnvironmentError
 from ray_ple.tools.quantity import human
+
+if TYPE_CHECKING:
+    from ray_ple.serve.builder import CheckedModel
 
 Status = Literal["PASS", "WARN", "FAIL"]
 CAP_IPC_LOCK = 14
@@ -50,10 +60,69 @@ class DoctorArgs(Frozen):
     shm_dir: str = "/dev/shm"
     checkpoint: str | None = None
     dtype: str | None = None
+    pair_segments: tuple[int, ...] = Field((), description="each worker's pair segment, where "
+                                           "they differ (several models); overrides workers")
+    config: str | None = None
 
     @property
     def pairs_bytes(self) -> int:
-        return self.workers * self.pair_bytes
+        return sum(self.pair_segments) if self.pair_segments else self.workers * self.pair_bytes
+
+    @property
+    def pairs_text(self) -> str:
+        if not self.pair_segments:
+            return f"{self.workers} x pair {human(self.pair_bytes)}"
+        sizes = sorted(set(self.pair_segments))
+        return " + ".join(f"{self.pair_segments.count(b)} x pair {human(b)}" for b in sizes)
+
+    @property
+    def nothing_to_check(self) -> bool:
+        return (self.config is None and self.checkpoint is None and not self.table_bytes
+                and not self.pair_bytes and not self.object_store_bytes
+                and not self.shm_headroom_bytes)
+
+
+class TableNeed(Frozen):
+    """One offloaded table as the offload actor will hold it (`table_store`)."""
+
+    layer_name: str
+    tensor: str  # the checkpoint tensor ("" where the checkpoint was not read)
+    rows: int  # the per-layer vocabulary
+    row_elems: int
+    dtype: str
+    bytes: int  # rows x row bytes: the server's `table_hold` bytes
+    segment_bytes: int  # header page + rows, page-aligned: what /dev/shm holds
+
+
+class ModelNeeds(Frozen):
+    """What one model of a serve config asks of a node, from the plan the server runs."""
+
+    model_id: str
+    transport: str
+    checkpoint_dir: str
+    replicas: int
+    world_size: int
+    tables: tuple[TableNeed, ...]
+    max_tokens: int
+    row_layers: int
+    resident_layers: int
+    parts: tuple[int, ...]
+    slot_row_bytes: int  # one token's row across the pair's slots
+    pair_bytes: int  # the server's `offload_ready` segment_bytes
+
+    @property
+    def workers(self) -> int:
+        return self.replicas * self.world_size
+
+    def line(self) -> str:
+        tables = "; ".join(
+            f"table {t.tensor or t.layer_name} [{t.rows}, {t.row_elems}] {t.dtype} {t.bytes} B "
+            f"(segment {t.segment_bytes} B with its header page)" for t in self.tables)
+        return (f"{self.model_id}: {tables}; slots {self.max_tokens} tokens x "
+                f"{self.slot_row_bytes} B in parts {list(self.parts)} after "
+                f"{self.resident_layers} resident of {self.row_layers} layers, pair segment "
+                f"{self.pair_bytes} B; transport {self.transport}, {self.replicas} replica(s) "
+                f"x {self.world_size} worker(s); checkpoint {self.checkpoint_dir}")
 
 
 class Check(Frozen):
@@ -140,8 +209,8 @@ def _try_registration(args: DoctorArgs, nbytes: int) -> str | None:
 def check_shm(args: DoctorArgs) -> Check:
     need = (args.table_bytes + args.pairs_bytes + args.object_store_bytes
             + args.shm_headroom_bytes)
-    terms = (f"table {human(args.table_bytes)} + {args.workers} x pair "
-             f"{human(args.pair_bytes)} + object store {human(args.object_store_bytes)} + "
+    terms = (f"table {human(args.table_bytes)} + {args.pairs_text} + object store "
+             f"{human(args.object_store_bytes)} + "
              f"headroom {human(args.shm_headroom_bytes)}")
     try:
         st = os.statvfs(args.shm_dir)
@@ -220,7 +289,7 @@ def check_host_memory(args: DoctorArgs) -> Check:
     rel = ">=" if status == "PASS" else "<"
     return Check(name="host-memory", status=status, detail=(
         f"available {human(available)} ({where}) {rel} need {human(need)} = table "
-        f"{human(args.table_bytes)} + {args.workers} x pair {human(args.pair_bytes)}"))
+        f"{human(args.table_bytes)} + {args.pairs_text}"))
 
 
 def check_huge_pages(args: DoctorArgs) -> Check:
@@ -240,8 +309,13 @@ def check_huge_pages(args: DoctorArgs) -> Check:
 
 
 def check_table(args: DoctorArgs) -> Check:
-    """The real checkpoint against the size the pod was budgeted for."""
+    """The real checkpoint's table segment against the bytes the pod was budgeted for.
+
+    The segment is the table's rows plus a header page: the server logs the rows alone
+    (`table_bytes`), the pod's budget (and `--table-bytes`) is the segment.
+    """
     from ray_ple.errors import PleModelError
+    from ray_ple.offload.table_store import table_segment_size
     from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
 
     try:
@@ -249,23 +323,149 @@ def check_table(args: DoctorArgs) -> Check:
                                         engine_dtype=args.dtype)
     except PleModelError as exc:
         return Check(name="table", status="FAIL", detail=str(exc))
-    real = sum(mmap.PAGESIZE + g.table_bytes for g in geometry.layers)
+    real = sum(table_segment_size(g) for g in geometry.layers)
+    rows = " + ".join(f"{g.rows} x {g.row_bytes} B = {g.table_bytes} B" for g in geometry.layers)
     status: Status = "PASS" if real <= args.table_bytes else "FAIL"
     rel = "<=" if status == "PASS" else ">"
     return Check(name="table", status=status, detail=(
-        f"{args.checkpoint}: {geometry.architecture} table {human(real)} ({real} B) {rel} "
-        f"sized for {args.table_bytes} B"))
+        f"{args.checkpoint}: {geometry.architecture} table segment {human(real)} ({real} B: "
+        f"header page + rows {rows}) {rel} sized for {args.table_bytes} B"))
+
+
+def _replicas(llm: Any) -> int:
+    """Replicas this node may hold: all of them (`num_replicas`, or the autoscaler's most)."""
+    cfg = llm.deployment_config or {}
+    auto = cfg.get("autoscaling_config")
+    if auto:
+        auto = auto if isinstance(auto, dict) else auto.model_dump()
+        return int(auto.get("max_replicas", 1))
+    n = cfg.get("num_replicas", 1)
+    return n if isinstance(n, int) else 1
+
+
+def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | None:
+    """A checked model's figures, from the plan the server runs: its geometry's tables and
+    slots, the offload actor's pair layout, and (with `read_checkpoint`) the checkpoint
+    tensor the offload actor will load, checked as it checks it. None for a model served
+    without the offload."""
+    from ray_ple.offload.table_store import TableFile, _check_shape, table_segment_size
+    from ray_ple.protocol.layout import PairLayout
+
+    plan = m.plan
+    if plan is None:
+        return None
+    geometry = plan.geometry
+    tables = []
+    for layer, source in zip(geometry.layers, plan.sources, strict=True):
+        tensor = ""
+        if read_checkpoint:
+            with TableFile.open(source) as table:
+                _check_shape(table.loc, layer)  # what the offload actor checks as it loads
+                tensor = table.loc.name
+        tables.append(TableNeed(layer_name=layer.layer_name, tensor=tensor, rows=layer.rows,
+                                row_elems=layer.row_elems, dtype=layer.dtype,
+                                bytes=layer.table_bytes,
+                                segment_bytes=table_segment_size(layer)))
+    slots = geometry.slots()
+    llm = m.llm
+    return ModelNeeds(
+        model_id=llm.model_loading_config.model_id, transport=m.transport or "none",
+        checkpoint_dir=plan.checkpoint_dir, replicas=_replicas(llm),
+        world_size=plan.world_size, tables=tuple(tables), max_tokens=geometry.max_tokens,
+        row_layers=geometry.row_layers, resident_layers=geometry.resident_layers,
+        parts=geometry.part_layers, slot_row_bytes=sum(s.row_bytes for s in slots),
+        pair_bytes=PairLayout.compute(geometry.max_tokens,
+                                      tuple(s.row_bytes for s in slots)).size)
+
+
+def node_args(needs: list[ModelNeeds], base: DoctorArgs) -> DoctorArgs:
+    """`base` with the node's table and pair figures of `needs`: one table copy per distinct
+    table on the node (replicas share it), one pair per engine worker."""
+    segments = {(n.checkpoint_dir, t.layer_name, t.dtype): t.segment_bytes
+                for n in needs for t in n.tables}
+    pairs = tuple(n.pair_bytes for n in needs for _ in range(n.workers))
+    transports = {n.transport for n in needs}
+    transport = base.transport
+    if transport == "auto" and transports:
+        transport = "cuda" if "cuda" in transports else "cpu"
+    return base.model_copy(update={
+        "transport": transport, "table_bytes": sum(segments.values()),
+        "pair_bytes": max(pairs, default=0), "workers": len(pairs), "pair_segments": pairs})
+
+
+def load_serve_config(path: str) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(name, args, application env vars) of each ray-ple application of a serve config."""
+    import yaml
+
+    from ray_ple.errors import PleConfigError
+
+    try:
+        cfg = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise PleConfigError(f"cannot read serve config {path}: {exc}") from None
+    apps = (cfg or {}).get("applications") if isinstance(cfg, dict) else None
+    if not isinstance(apps, list) or not apps:
+        raise PleConfigError(f"{path} has no `applications:` list (a `serve run` config)")
+    out = []
+    for app in apps:
+        if str(app.get("import_path", "")).split(":")[0] != "ray_ple.serve":
+            continue
+        env = ((app.get("runtime_env") or {}).get("env_vars")) or {}
+        out.append((str(app.get("name", "")), app.get("args") or {}, dict(env)))
+    if not out:
+        raise PleConfigError(f"{path} has no application with import_path "
+                             "ray_ple.serve:build_app")
+    return out
+
+
+def config_needs(path: str, read_checkpoint: bool = True) -> list[ModelNeeds]:
+    """Every offloaded model of a serve config, checked as `build_app` checks it (one
+    `PleError`, the text `serve run` gives, for the first bad one)."""
+    from ray_ple.serve.builder import check_app, validate_args
+
+    out = []
+    for _, args, env in load_serve_config(path):
+        if read_checkpoint:
+            models = check_app(args, env)[1]
+            out += [n for n in (model_needs(m) for m in models) if n is not None]
+        else:
+            validate_args(args)
+    return out
+
+
+def check_config(args: DoctorArgs) -> tuple[Check, DoctorArgs]:
+    """The `table` check of `--config`, and the node's figures it derives."""
+    from ray_ple.errors import PleError
+
+    try:
+        needs = config_needs(args.config or "")
+    except PleError as exc:
+        return Check(name="table", status="FAIL", detail=str(exc)), args
+    detail = " | ".join(n.line() for n in needs) or "no model is offloaded"
+    return Check(name="table", status="PASS", detail=detail), node_args(needs, args)
 
 
 def run_checks(args: DoctorArgs) -> list[Check]:
+    config: Check | None = None
+    if args.config is not None:
+        config, args = check_config(args)
     checks = [check_memlock(args), check_shm(args), check_cuda(args), check_host_memory(args),
               check_huge_pages(args)]
-    if args.checkpoint is not None:
+    if config is not None:
+        checks.append(config)
+    elif args.checkpoint is not None:
         checks.append(check_table(args))
     return checks
 
 
+NOTHING = ("ray-ple doctor: nothing to check: give --config SERVE.yaml, or the sizes the pod "
+           "was sized for (--table-bytes, --pair-bytes, ...) or --checkpoint")
+
+
 def main(args: DoctorArgs) -> int:
+    if args.nothing_to_check:
+        print(NOTHING, file=sys.stderr)
+        return 2
     checks = run_checks(args)
     for c in checks:
         print(c.line(), flush=True)
