@@ -41,7 +41,7 @@ def test_gpu_pod_checks_pass_under_a_64_kib_memlock():
 @needs_gpu
 def test_cpu_transport_on_a_gpu_node_warns_and_loads_no_cuda():
     code = ("import sys; from ray_ple.tools.cli import main; rc = main(['doctor', '--transport', "
-            "'cpu']); print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == "
+            "'cpu', '--table-bytes', '1Mi']); print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == "
             "'cuda')); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                           text=True, timeout=60)
