@@ -1,0 +1,582 @@
+#!/usr/bin/env python3
+"""Mutation pass over the checks that guard correctness: is each one shown to matter?
+
+A check is an `if`/`while` condition that guards a fail path (a raise, a `Failure(...)`, a
+side's `.fail(...)`/`abandon(...)`/`fail_closed(...)`, a refusal that skips or gives up, or a
+wait loop whose exit is one), an `assert`, or a comparison inside a returned condition.
+Mutants per check, generated with `ast`: the condition dropped (`False and (...)`, or
+`True or (...)` where the fail path is the `else`), each clause of an `or`/`and` dropped alone
+(made `False`/`True`), and each comparison's boundary or sense
+flipped (`<`/`<=`, `>`/`>=`, `==`/`!=`, `is`/`is not`, `in`/`not in`).
+
+The checkout is never touched: the tree is copied to `--work` (the copy is what is imported:
+cwd and PYTHONPATH point at it), each mutant is applied there, the fast tests that import the
+mutated module (or anything that depends on it) run with `-x`, and the file is restored.
+Killed means a test failed (the first failing node id is recorded); survived means all passed.
+One mutant at a time: the tests start real processes and share the node's cores.
+
+    .venv/bin/python scripts/mutation_pass.py                     # the whole pass, table
+    .venv/bin/python scripts/mutation_pass.py --only ID [ID ...]  # re-run some mutants
+    .venv/bin/python scripts/mutation_pass.py --list              # the mutants, not run
+
+Results go to `<work>/results.jsonl` (one line per mutant run; `--resume` skips mutants
+already run there and reuses the baseline) and the table to `--out` (docs/mutation.md), between the
+markers it carries. Equivalent mutants are explained in `EQUIVALENT` below, keyed by the
+mutant's stable key (file, function, original, mutant): line numbers move, keys do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("ray_ple/protocol", "ray_ple/offload", "ray_ple/worker/pair.py")
+# The order of the pass where it cannot all run: the modules the issue names first.
+PRIORITY = ("ray_ple/protocol/transaction.py", "ray_ple/protocol/layout.py",
+            "ray_ple/protocol/handles.py", "ray_ple/protocol/geometry.py",
+            "ray_ple/protocol/shm.py", "ray_ple/protocol/peers.py",
+            "ray_ple/protocol/doorbell.py", "ray_ple/offload/table_store.py",
+            "ray_ple/offload/actor.py", "ray_ple/offload/gather.py",
+            "ray_ple/offload/cuda_guard.py", "ray_ple/worker/pair.py")
+FAIL_CALLS = {"fail", "fail_closed", "abandon", "mark_failed", "_fail", "Failure"}
+FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+        ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+        ast.In: ast.NotIn, ast.NotIn: ast.In}
+MARK_START, MARK_END = "<!-- mutation-table:start -->", "<!-- mutation-table:end -->"
+
+# Equivalent (or harmless-by-construction) mutants: stable key -> why the mutated code
+# behaves as the original does. Filled from the pass's survivors; see docs/mutation.md.
+EQUIVALENT: dict[str, str] = {
+    "ray_ple/protocol/transaction.py:peer_state: block.ready() -> False and (block.ready())":
+        "a fast path only: where `ready()` holds (reason 0, state word READY) the code after "
+        "it reads `state` as READY and returns None too",
+    "ray_ple/protocol/handles.py:validate_pair_handle: slot.row_bytes % ITEMSIZE[slot.dtype] "
+    "-> False and (slot.row_bytes % ITEMSIZE[slot.dtype])":
+        "enforced by the field loop just before: `row_bytes` and `dtype` must equal the "
+        "geometry's, whose `row_bytes` is `row_elems * ITEMSIZE[dtype]`",
+    "ray_ple/protocol/transaction.py:OffloadEnd.publish: int(flag[0]) != 0 and not "
+    "wait_until( lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s, abort=alive) "
+    "-> True and (not wait_until(lambda f=flag: int(f[0]) == 0, "
+    "self.deadlines.offload_wait_s, abort=alive))":
+        "a fast path only: `wait_until` tests its condition first and returns True at once "
+        "when the flag is already down, so the wait is skipped either way",
+    "ray_ple/protocol/layout.py:ControlBlock.snapshot: len(words) != layout.words_bytes -> "
+    "False and (len(words) != layout.words_bytes)":
+        "enforced by the size check just before (a file of at least `layout.size` bytes "
+        "yields a whole words page); only a truncation between the two calls differs, and "
+        "there the counters' own reads come back short (None) or the views refuse a short "
+        "buffer: a race no test can place",
+    "ray_ple/protocol/layout.py:ControlBlock.snapshot: any(len(word) != 8 for word in now) "
+    "-> False and (any((len(word) != 8 for word in now)))":
+        "enforced by the size check at the top: every counter lies in the words page, so on "
+        "a file of at least `layout.size` bytes each read is 8 bytes; only a truncation "
+        "during the read differs (a race no test can place)",
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One change of one check: the byte span of the expression it replaces, and the text."""
+
+    file: str
+    function: str
+    line: int
+    start: int  # byte offsets in the file
+    end: int
+    original: str
+    mutant: str
+    kind: str  # "drop" (the check or one clause of it removed), "flip" (a comparison)
+
+    @property
+    def key(self) -> str:
+        return f"{self.file}:{self.function}: {self.original} -> {self.mutant}"
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha1(self.key.encode()).hexdigest()[:10]
+
+
+# Finding checks --------------------------------------------------------------------------
+def _walk_no_defs(nodes: list[ast.stmt]):  # noqa: ANN202 - Iterator[ast.AST]
+    """Every node under these statements, not entering nested function or class bodies."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _call_name(call: ast.Call) -> str | None:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
+def _walrus_names(test: ast.expr) -> set[str]:
+    return {n.target.id for n in ast.walk(test) if isinstance(n, ast.NamedExpr)}
+
+
+def _fails(body: list[ast.stmt], bound: set[str] = frozenset()) -> bool:
+    """Does this block take a fail path: raise, `Failure`, a side's fail, a refusal?"""
+    for node in _walk_no_defs(body):
+        if isinstance(node, ast.Raise):
+            return True
+        if isinstance(node, ast.Call) and _call_name(node) in FAIL_CALLS:
+            return True
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound:  # `if (f := rule(...)) is not None: return f`
+            return True
+    # a refusal: the block only skips (`continue`) or gives up (`return None/False`)
+    last = body[-1]
+    if isinstance(last, ast.Continue):
+        return True
+    return isinstance(last, ast.Return) and (last.value is None or (
+        isinstance(last.value, ast.Constant) and last.value.value in (None, False)))
+
+
+class _Finder(ast.NodeVisitor):
+    def __init__(self, rel: str, src: bytes) -> None:
+        self.rel, self.src = rel, src
+        self.lines = src.splitlines(keepends=True)
+        self.starts = [0]
+        for line in self.lines:
+            self.starts.append(self.starts[-1] + len(line))
+        self.scope: list[str] = []
+        self.out: list[Mutant] = []
+
+    def _span(self, node: ast.expr) -> tuple[int, int]:
+        return (self.starts[node.lineno - 1] + node.col_offset,
+                self.starts[node.end_lineno - 1] + node.end_col_offset)
+
+    def _add(self, node: ast.expr, text: str, kind: str) -> None:
+        a, b = self._span(node)
+        original = " ".join(self.src[a:b].decode().split())
+        self.out.append(Mutant(self.rel, ".".join(self.scope) or "<module>", node.lineno, a, b,
+                               original, text, kind))
+
+    def _mutate(self, test: ast.expr, drop: str | None) -> None:
+        if drop is not None:
+            self._add(test, drop.format(ast.unparse(test)), "drop")
+        for op in [n for n in ast.walk(test) if isinstance(n, ast.BoolOp)]:
+            neutral = ast.Constant(isinstance(op.op, ast.And))  # one clause of it removed
+            for i in range(len(op.values)):
+                values = [neutral if j == i else v for j, v in enumerate(op.values)]
+                self._add(op, ast.unparse(ast.BoolOp(op=op.op, values=values)), "drop")
+        for cmp in [n for n in ast.walk(test) if isinstance(n, ast.Compare)]:
+            for i, op in enumerate(cmp.ops):
+                if type(op) not in FLIP:
+                    continue
+                flipped = ast.Compare(left=cmp.left, comparators=cmp.comparators,
+                                      ops=[FLIP[type(o)]() if j == i else o
+                                           for j, o in enumerate(cmp.ops)])
+                self._add(cmp, ast.unparse(flipped), "flip")
+
+    def _scoped(self, node: ast.AST) -> None:
+        self.scope.append(node.name)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_If(self, node: ast.If) -> None:
+        bound = _walrus_names(node.test)
+        if _fails(node.body, bound):
+            self._mutate(node.test, "False and ({})")
+        elif node.orelse and not (len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)) \
+                and _fails(node.orelse):
+            self._mutate(node.test, "True or ({})")
+        self.generic_visit(node)
+
+    def visit_While(self, node: ast.While) -> None:
+        if _fails(node.body) or self._fails_after(node):
+            self._mutate(node.test, "False and ({})")
+        self.generic_visit(node)
+
+    def _fails_after(self, node: ast.While) -> bool:
+        """A bounded wait: the statement right after the loop is its fail path."""
+        for parent in ast.walk(self.tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(parent, field, None)
+                if isinstance(block, list) and node in block:
+                    i = block.index(node)
+                    return i + 1 < len(block) and _fails([block[i + 1]]) \
+                        and not isinstance(block[i + 1], ast.Return)
+        return False
+
+    def visit_Assert(self, node: ast.Assert) -> None:
+        self._mutate(node.test, "True or ({})")
+        self.generic_visit(node)
+
+    def visit_Return(self, node: ast.Return) -> None:
+        value = node.value  # a returned condition: one with a comparison in it
+        if isinstance(value, (ast.Compare, ast.BoolOp)) \
+                and any(isinstance(n, ast.Compare) for n in ast.walk(value)):
+            self._mutate(value, None)
+        self.generic_visit(node)
+
+
+def find_mutants(root: Path, files: list[str]) -> list[Mutant]:
+    out: list[Mutant] = []
+    for rel in files:
+        src = (root / rel).read_bytes()
+        finder = _Finder(rel, src)
+        finder.tree = ast.parse(src)
+        finder.visit(finder.tree)
+        seen = set()
+        for m in finder.out:
+            if m.key not in seen:
+                seen.add(m.key)
+                out.append(m)
+    return out
+
+
+def target_files(root: Path) -> list[str]:
+    files = []
+    for t in TARGETS:
+        p = root / t
+        files += [str(f.relative_to(root)) for f in sorted(p.rglob("*.py"))] if p.is_dir() \
+            else [t]
+    ranked = [f for f in PRIORITY if f in files]
+    return ranked + [f for f in files if f not in ranked]
+
+
+# Which tests: the fast ones that import the module or a module that depends on it --------
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(root: Path, path: Path, known: set[str]) -> set[str]:
+    """Modules of the project this file imports (anywhere in it, functions included)."""
+    got = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for n in names:
+            while n and n not in known:  # `ray_ple.x.y` imports its packages too
+                n = n.rpartition(".")[0]
+            while n:
+                got.add(n)
+                n = n.rpartition(".")[0]
+    return got
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the project modules it imports (ray_ple and the tests' helpers)."""
+    paths = {_module_name(root, p): p for d in ("ray_ple", "tests")
+             for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts}
+    known = set(paths)
+    return {m: _imports(root, p, known) - {m} for m, p in paths.items()}
+
+
+def tests_for(root: Path, module: str, graph: dict[str, set[str]],
+              durations: dict[str, float]) -> list[str]:
+    """Test files that reach `module` through imports: the guards' rows first (each made to
+    kill one check), then direct importers, then by baseline duration (a kill shows
+    soonest)."""
+    dependents, frontier = {module}, {module}
+    while frontier:
+        frontier = {m for m, deps in graph.items() if deps & frontier} - dependents
+        dependents |= frontier
+    files = [m for m in dependents if m.startswith("tests.test_")]
+    paths = {m: str(Path(*m.split(".")).with_suffix(".py")) for m in files}
+    return sorted((paths[m] for m in files),
+                  key=lambda p: (p != "tests/test_guards.py",
+                                 module not in graph[_module_name(root, root / p)],
+                                 durations.get(p, 0.0), p))
+
+
+# Running ----------------------------------------------------------------------------------
+def copy_tree(src: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", ".pytest_cache", "*.egg-info", ".ruff_cache"))
+
+
+def tree_digest(root: Path, files: list[str]) -> str:
+    h = hashlib.sha1()
+    for d in ("ray_ple", "tests"):
+        for p in sorted((root / d).rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def run_tests(copy: Path, tests: list[str], timeout_s: int, xml: Path,
+              deselect: list[str] = (), stop_at_first: bool = True) -> dict:
+    """One pytest run in the copy: passed, or the first failing node id."""
+    env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", *(["-x"] if stop_at_first else []), "-q", "-p",
+           "no:cacheprovider", "-m", "not slow", f"--timeout={timeout_s}", f"--junitxml={xml}",
+           *[f"--deselect={d}" for d in deselect], *tests]
+    xml.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout_s * 3 + 120)
+    except subprocess.TimeoutExpired:
+        return {"status": "killed", "by": "(the whole run timed out)", "seconds": None}
+    took = round(time.monotonic() - t0, 1)
+    first, noise = _first_failure(xml)
+    if proc.returncode == 0:
+        return {"status": "survived", "by": "", "seconds": took}
+    if first is None and noise:  # only the session's leftovers check failed: not the mutant's
+        return {"status": "noise", "by": noise, "seconds": took,
+                "tail": proc.stdout[-2000:]}
+    return {"status": "killed", "by": first or f"(pytest exit {proc.returncode})",
+            "seconds": took, "tail": proc.stdout[-1500:]}
+
+
+def _failures(xml: Path) -> list[str]:
+    """Every test that failed or errored (setup, call, teardown) in a junit XML."""
+    out = []
+    for case in ET.parse(xml).getroot().iter("testcase") if xml.exists() else ():
+        if case.findall("failure") or case.findall("error"):
+            out.append(_node(case))
+    return out
+
+
+def _node(case: ET.Element) -> str:
+    cls = case.get("classname", "")
+    path = case.get("file") or cls.replace(".", "/") + ".py"
+    return f"{path}::{case.get('name')}"
+
+
+def _first_failure(xml: Path) -> tuple[str | None, str | None]:
+    """(first test that failed or errored in setup/call, a teardown-only error if that was
+    all), from pytest's junit XML."""
+    if not xml.exists():
+        return None, None
+    noise = None
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        node = _node(case)
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            msg = bad.get("message", "")
+            if bad.tag == "error" and msg.startswith("failed on teardown"):
+                noise = noise or f"{node} (teardown: {msg[:120]})"
+                continue
+            return f"{node} ({msg.splitlines()[0][:100] if msg else bad.tag})", None
+    return None, noise
+
+
+def apply(copy: Path, m: Mutant) -> bytes:
+    path = copy / m.file
+    orig = path.read_bytes()
+    new = orig[:m.start] + m.mutant.encode() + orig[m.end:]
+    compile(new, str(path), "exec")  # a mutant that does not compile is a bug of this script
+    path.write_bytes(new)
+    return orig
+
+
+def run_mutant(copy: Path, m: Mutant, tests: list[str], timeout_s: int, work: Path,
+               broken: list[str]) -> dict:
+    """Apply, run, restore. A kill is confirmed by running the killing test alone on the
+    restored tree: a test that fails there too failed for another reason (the host's memory
+    moved by another session, say); it is deselected and the mutant runs again."""
+    deselect, flaky = list(broken), []
+    for _ in range(3):
+        orig = apply(copy, m)
+        try:
+            res = run_tests(copy, tests, timeout_s, work / "run.xml", deselect)
+            if res["status"] == "noise":  # the leftovers check saw another session's
+                res = run_tests(copy, tests, timeout_s, work / "run.xml", deselect)
+        finally:
+            (copy / m.file).write_bytes(orig)
+        if res["status"] != "killed" or " (" not in res["by"]:
+            break
+        node = res["by"].split(" (")[0]
+        if run_tests(copy, [node], timeout_s, work / "confirm.xml")["status"] == "survived":
+            break  # passes unmutated: the mutant's kill
+        deselect.append(node)
+        flaky.append(node)
+        res = {"status": "survived?", "by": f"only flaky kills: {flaky}", "seconds": None}
+    return res | ({"flaky": flaky} if flaky else {})
+
+
+def baseline_durations(copy: Path, tests: list[str], timeout_s: int, work: Path) -> dict:
+    """Run the unmutated selection once, to the end: a test that fails here fails for
+    reasons of this machine (no mutant needed) and is left out of every run, named in the
+    table; per-file durations order the runs."""
+    xml = work / "baseline.xml"
+    res = run_tests(copy, tests, timeout_s, xml, stop_at_first=False)
+    broken = _failures(xml)
+    if res["status"] != "survived" and not broken:
+        raise SystemExit(f"the unmutated tests do not run in the copy: {res}")
+    if broken:
+        print(f"baseline: {len(broken)} tests fail unmutated, left out: {broken}", flush=True)
+    per_file: dict[str, float] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        f = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        per_file[f] = per_file.get(f, 0.0) + float(case.get("time", 0))
+    return {"seconds": res["seconds"], "per_file": per_file, "broken": broken}
+
+
+# The table --------------------------------------------------------------------------------
+def _cell(s: str) -> str:
+    return "`" + s.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def write_table(out: Path, mutants: list[Mutant], results: dict[str, dict], meta: dict) -> None:
+    rows = ["| id | file:line (function) | original | mutant | result | killing test, or why "
+            "equivalent |", "|---|---|---|---|---|---|"]
+    counts: dict[str, int] = {}
+    for m in mutants:
+        r = results.get(m.id)
+        status = r["status"] if r else "not run"
+        note = r["by"] if r and status == "killed" else ""
+        if status == "survived" and m.key in EQUIVALENT:
+            status, note = "equivalent", EQUIVALENT[m.key]
+        elif status == "survived":
+            note = "**unexplained**"
+        counts[status] = counts.get(status, 0) + 1
+        rows.append(f"| {m.id} | {m.file}:{m.line} ({m.function}) | {_cell(m.original)} | "
+                    f"{_cell(m.mutant)} | {status} | {note.replace('|', '/')} |")
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    head = (f"Ran on commit {meta['commit']} (tree digest {meta['digest']}), "
+            f"{meta['when']}: {len(mutants)} mutants, {summary}.\n"
+            + (f"Left out of every run, failing unmutated on that machine: "
+               f"{', '.join(meta['broken'])}.\n" if meta["broken"] else "") + "\n")
+    block = f"{MARK_START}\n{head}" + "\n".join(rows) + f"\n{MARK_END}"
+    text = out.read_text() if out.exists() else f"# Mutation pass\n\n{MARK_START}\n{MARK_END}\n"
+    if MARK_START not in text:
+        text += f"\n{MARK_START}\n{MARK_END}\n"
+    a, b = text.index(MARK_START), text.index(MARK_END) + len(MARK_END)
+    out.write_text(text[:a] + block + text[b:])
+
+
+def _commit(src: Path) -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ray_ple", "tests"],
+                               cwd=src, text=True, capture_output=True).stdout.strip()
+        return head + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", type=Path, default=ROOT, help="tree to copy (default: this one)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ray-ple-mutation"),
+                    help="scratch directory: the copy, results.jsonl")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "mutation.md")
+    ap.add_argument("--files", nargs="*", help="only these target files (repo-relative)")
+    ap.add_argument("--only", nargs="*", help="only these mutant ids")
+    ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    ap.add_argument("--table", action="store_true",
+                    help="write the table from the results so far and stop (with --no-copy)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep results of an earlier run on the same tree")
+    ap.add_argument("--timeout", type=int, default=120, help="per test (pytest-timeout)")
+    ap.add_argument("--budget-min", type=float, default=0,
+                    help="stop starting mutants after this many minutes (0: no limit)")
+    ap.add_argument("--no-copy", action="store_true", help="reuse the copy in --work")
+    args = ap.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stopped mid-mutant: restore, then exit
+        signal.signal(sig, signal.default_int_handler)
+
+    src, work = args.src.resolve(), args.work.resolve()
+    if work == src or src in work.parents:
+        raise SystemExit("--work must be outside the tree: the checkout is never mutated")
+    copy = work / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.no_copy or not copy.exists():
+        copy_tree(src, copy)
+    files = args.files or target_files(copy)
+    mutants = find_mutants(copy, files)
+    if args.list:
+        for m in mutants:
+            print(f"{m.id} {m.file}:{m.line} ({m.function}) {m.kind}: {m.original!r} -> "
+                  f"{m.mutant!r}")
+        print(f"{len(mutants)} mutants in {len(files)} files")
+        return
+    check = subprocess.run([sys.executable, "-c", "import ray_ple; print(ray_ple.__file__)"],
+                           cwd=copy, env=dict(os.environ, PYTHONPATH=str(copy)),
+                           capture_output=True, text=True)
+    if not check.stdout.strip().startswith(str(copy)):
+        raise SystemExit(f"ray_ple resolves to {check.stdout.strip()!r}, not the copy")
+    digest = tree_digest(copy, files)
+    results_path = work / "results.jsonl"
+    results: dict[str, dict] = {}  # the latest run of each mutant
+    done: set[str] = set()  # mutants already run on this very tree
+    if (args.resume or args.only or args.table) and results_path.exists():
+        for line in results_path.read_text().splitlines():
+            r = json.loads(line)
+            results[r["id"]] = r
+            if r.get("digest") == digest or args.resume:  # --resume: whatever tree ran it
+                done.add(r["id"])
+    elif results_path.exists():
+        results_path.unlink()
+
+    if args.table:
+        meta = {"commit": _commit(src), "digest": digest, "when": time.strftime(
+            "%Y-%m-%d %H:%M UTC", time.gmtime())}
+        base = json.loads((work / "baseline.json").read_text())
+        meta["commit"] = base.get("commit", meta["commit"])  # the tree the pass copied
+        write_table(args.out, mutants, results, meta | {"broken": base["broken"]})
+        print(f"table: {args.out}")
+        return
+    graph = import_graph(copy)
+    todo = [m for m in mutants if (not args.only or m.id in args.only)
+            and (args.only or m.id not in done)]
+    # every check dropped first (does it matter at all?), then the boundaries; by PRIORITY
+    todo.sort(key=lambda m: (m.kind != "drop", files.index(m.file), m.start))
+    selections = {f: None for f in {m.file for m in todo}}
+    base_path = work / "baseline.json"
+    base = (json.loads(base_path.read_text())
+            if base_path.exists() and (args.resume or args.only) else None)
+    if todo and base is None:  # (--resume and --only reuse the last baseline as it is)
+        union = sorted({t for f in selections for t in tests_for(copy, _module_name(
+            copy, copy / f), graph, {})})
+        print(f"baseline: {len(union)} test files, unmutated", flush=True)
+        base = baseline_durations(copy, union, args.timeout, work) | {
+            "digest": digest, "commit": _commit(src)}
+        base_path.write_text(json.dumps(base))
+        print(f"baseline passed in {base['seconds']} s", flush=True)
+    for f in selections:
+        selections[f] = [t for t in tests_for(copy, _module_name(copy, copy / f), graph,
+                                              base["per_file"] if base else {})
+                         if not base or t in base["per_file"]]  # all slow: nothing to run
+    meta = {"commit": (base or {}).get("commit") or _commit(src), "digest": digest,
+            "broken": base["broken"] if base else [],
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    start = time.monotonic()
+    with results_path.open("a") as log:
+        for n, m in enumerate(todo, 1):
+            if args.budget_min and time.monotonic() - start > args.budget_min * 60:
+                print(f"budget spent: {len(todo) - n + 1} mutants not run", flush=True)
+                break
+            res = run_mutant(copy, m, selections[m.file], args.timeout, work, base["broken"])
+            results[m.id] = rec = asdict(m) | res | {"id": m.id, "digest": digest}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(f"[{n}/{len(todo)}] {m.id} {m.file}:{m.line} {m.original!r} -> "
+                  f"{m.mutant!r}: {res['status']} {res['by']} ({res['seconds']} s)", flush=True)
+    write_table(args.out, mutants, results, meta)
+    survived = [m for m in mutants if results.get(m.id, {}).get("status") == "survived"
+                and m.key not in EQUIVALENT]
+    print(f"table: {args.out}; {len(survived)} unexplained survivors", flush=True)
+    for m in survived:
+        print(f"  survived {m.id} {m.key}")
+
+
+if __name__ == "__main__":
+    main()
