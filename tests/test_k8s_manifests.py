@@ -426,3 +426,29 @@ def test_upgrade_strategy_and_autoscaling_follow_the_serve_config(manifest):
     r = spec.workers.replicas_per_pod
     assert group["minReplicas"] == math.ceil(demand.min_replicas / r)
     assert group["maxReplicas"] == math.ceil(demand.max_replicas / r)
+
+
+def _own_probes(doc: dict[str, Any]) -> list[str]:
+    """Probes a manifest sets itself on any container of any group."""
+    cluster = doc["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [f"{c['name']}.{k}" for g in groups for c in g["template"]["spec"]["containers"]
+            for k in ("readinessProbe", "livenessProbe") if k in c]
+
+
+@pytest.mark.parametrize("probe", [None, "readinessProbe"])
+def test_kuberay_injects_the_pod_probes(manifest, probe):
+    """KubeRay injects its raylet and Serve-proxy probes only into a container that sets none;
+    engine readiness is the Serve application status KubeRay already waits for (k8s/README.md,
+    "Readiness"), so no manifest sets a probe of its own, and one that did is caught."""
+    _, doc = manifest
+    doc = copy.deepcopy(doc)
+    if probe is not None:
+        worker = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+        worker["template"]["spec"]["containers"][0][probe] = {"httpGet": {"path": "/-/healthz",
+                                                                          "port": 8000}}
+        assert _own_probes(doc) == [f"ray-worker.{probe}"]
+    else:
+        assert _own_probes(doc) == []
+    readme = (ROOT / "k8s" / "README.md").read_text()
+    assert "--for=condition=Ready" in readme and "## Readiness" in readme

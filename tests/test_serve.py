@@ -4,6 +4,9 @@ The test config is the shipped one plus three things: the offloaded model gets t
 (they must share one host table), the same model is also served with `ple.enabled: false` as
 the unoffloaded reference, and the tiny Gemma 3n of `serve_configs/gemma3n-tiny-cpu.yaml`
 (multimodal layout, served as text) joins them, all in one run: one cluster start for all.
+The fixture also watches that start: when `/v1/models` first answers, when Serve says the
+application is RUNNING (the readiness signal the README documents), and when a completion
+first succeeds.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -28,6 +35,89 @@ from tests.serving import BASE, ServeRun, complete, load_config, offload_pids, t
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8], [100, 101], [9, 30, 31, 32, 33, 34, 35, 36], [250, 4]]
+MODELS = ("tiny-gemma4", "tiny-gemma4-plain", "tiny-gemma3n")
+DASHBOARD = "http://127.0.0.1:8265"
+# The README's readiness check, run as written (exit 0 only once the application is RUNNING)
+READY_CHECK = 'serve status -n ple | grep -qx "status: RUNNING"'
+SHORT_TIMEOUT_S = 15  # a one-token completion on a started replica, on 2 busy cores
+
+
+class StartWatch:
+    """Wall-clock times (time.time(), as `log_event`'s `ts`) of what an operator can see while
+    the application starts: `/v1/models` answering, Serve's application status, completions."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.models_at: float | None = None
+        self.check_at_models: int | None = None  # READY_CHECK's exit status then
+        self.statuses: list[tuple[float, str | None]] = []
+        self.running_at: float | None = None
+        self.check_at_running: int | None = None
+        self.sent_at_running: dict[str, tuple[int, float]] = {}  # model -> (status, seconds)
+        self.first_ok_at: float | None = None  # the background prober's first 200
+        self._stop = threading.Event()
+
+    def probe(self) -> None:
+        """Completions to the offloaded model, back to back, as a client would keep trying."""
+        while not self._stop.is_set() and self.first_ok_at is None:
+            with contextlib.suppress(requests.RequestException):
+                r = requests.post(f"{BASE}/v1/completions", timeout=5, json={
+                    "model": "tiny-gemma4", "prompt": "w5", "max_tokens": 1})
+                if r.status_code == 200:
+                    self.first_ok_at = time.time()
+            self._stop.wait(1)
+
+    def watch(self, run: ServeRun, timeout: float = 420) -> None:
+        prober = threading.Thread(target=self.probe, daemon=True)
+        prober.start()
+        try:
+            while self.running_at is None:
+                if time.time() - self.t0 > timeout:
+                    raise TimeoutError(f"not RUNNING in {timeout}s: {run.log.read_text()[-4000:]}")
+                if run.proc.poll() is not None:
+                    raise RuntimeError(f"serve run exited: {run.log.read_text()[-4000:]}")
+                if self.models_at is None:
+                    with contextlib.suppress(requests.RequestException):
+                        if requests.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
+                            self.models_at = time.time()
+                            self.check_at_models = _ready_check()
+                status = _app_status()
+                self.statuses.append((time.time(), status))
+                assert status != "DEPLOY_FAILED", run.log.read_text()[-4000:]
+                if status == "RUNNING":
+                    self.running_at = time.time()
+                    self.check_at_running = _ready_check()
+                    for model in MODELS:  # sent when ready: each answers within a short time
+                        t = time.monotonic()
+                        r = requests.post(f"{BASE}/v1/completions", timeout=SHORT_TIMEOUT_S,
+                                          json={"model": model, "prompt": "w5", "max_tokens": 1})
+                        self.sent_at_running[model] = (r.status_code, time.monotonic() - t)
+                time.sleep(0.5)
+        finally:
+            self._stop.set()
+            prober.join(10)
+
+    def summary(self) -> dict[str, float | None]:
+        """Seconds from `serve run` to each moment."""
+        at = {"models_answer": self.models_at, "first_completion": self.first_ok_at,
+              "app_running": self.running_at}
+        return {k: None if v is None else round(v - self.t0, 1) for k, v in at.items()}
+
+
+def _app_status() -> str | None:
+    """The application's status as `serve status` reads it (the dashboard's Serve API)."""
+    try:
+        r = requests.get(f"{DASHBOARD}/api/serve/applications/", timeout=5)
+        return r.json()["applications"]["ple"]["status"] if r.ok else None
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
+def _ready_check() -> int:
+    serve_bin = str(Path(sys.executable).parent)
+    return subprocess.run(["bash", "-c", READY_CHECK], timeout=60, check=False,
+                          env={**os.environ, "PATH": f"{serve_bin}:{os.environ['PATH']}"}
+                          ).returncode
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +144,38 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "ple-test.yaml").write_text(yaml.safe_dump(cfg))
     run = ServeRun(tmp / "ple-test.yaml", tmp / "serve.log")
+    run.start = StartWatch()
     try:
-        for model in ("tiny-gemma4", "tiny-gemma4-plain", "tiny-gemma3n"):
+        run.start.watch(run)
+        for model in MODELS:
             run.wait_ready(model)
         yield run
     finally:
         run.stop()
+
+
+def test_ready_only_when_serve_says_running(served):
+    """Serve's application status is the readiness signal: it says RUNNING only after every
+    offloaded replica's `start()` returned (pairs built and attached, engine started: the
+    `replica_ready` events), while `/v1/models` answers well before; a completion sent to each
+    model once it says RUNNING succeeds within a short timeout. The README's check, run as
+    written, fails while `/v1/models` already answers and passes at RUNNING."""
+    start: StartWatch = served.start
+    ready = [e["ts"] for e in _logged(served.log.read_text(), "replica_ready")]
+    print(f"start: {start.summary()}, replica_ready at "
+          f"{sorted(round(t - start.t0, 1) for t in ready)}")
+    assert len(ready) == 3, "two Gemma 4 replicas and one Gemma 3n replica"
+    assert [s for t, s in start.statuses if t < max(ready)] and \
+        all(s != "RUNNING" for t, s in start.statuses if t < max(ready)), start.statuses
+    assert start.running_at >= max(ready)
+    assert start.sent_at_running == {m: (200, start.sent_at_running[m][1]) for m in MODELS}
+    assert all(s < SHORT_TIMEOUT_S for _, s in start.sent_at_running.values())
+    # the gap: the ingress lists the models before any replica can serve
+    assert start.models_at is not None and start.models_at < min(ready)
+    assert start.check_at_models != 0 and start.check_at_running == 0
+    assert start.first_ok_at is None or start.first_ok_at >= min(ready)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert READY_CHECK in readme, "the README documents the check this test runs"
 
 
 def test_models_listed(served):
@@ -134,8 +250,6 @@ def test_doctor_figures_equal_what_the_server_logs(served):
     """`ray-ple doctor --config` on this very config: its table rows, pair segments and slot
     tokens are the ones the builder, the table loaders and the offload actors log."""
     import re
-    import subprocess
-    import sys
 
     config = served.log.parent / "ple-test.yaml"
     out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--config",
@@ -203,6 +317,39 @@ def test_a_request_with_media_is_refused_and_the_replica_keeps_serving(served, m
     assert "multimodal" in r.json()["error"]["message"].lower(), r.text
     assert complete(model, [5, 6, 7])["choices"][0]["token_ids"], "still serving"
     assert sorted(offload_pids()) == before, "no replica was replaced"
+
+
+def _metrics_export_port(run: ServeRun) -> int:
+    """This run's own metrics export port (from its raylet's command line), never another
+    cluster's on the machine."""
+    for proc in psutil.Process(run.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            for arg in proc.cmdline():
+                if arg.startswith(("--metrics_export_port=", "--metrics-export-port=")):
+                    return int(arg.split("=", 1)[1])
+    raise AssertionError("no process of this serve run names a metrics export port")
+
+
+def test_every_metric_the_dashboard_queries_is_exported(served):
+    """After a few completions, Ray's metrics endpoint exports every name the Grafana
+    dashboard queries, exactly (no doubled `ray_` prefix); the deadline and verdict counters
+    among them with no deadline missed and no verdict (exported at 0)."""
+    import re
+
+    from tests.test_dashboard import dashboard_metrics
+
+    for prompt in PROMPTS:
+        for model in ("tiny-gemma4", "tiny-gemma3n"):
+            complete(model, prompt)
+    url = f"http://127.0.0.1:{_metrics_export_port(served)}/metrics"
+    wanted, found = dashboard_metrics(), set()
+    deadline = time.monotonic() + 40  # Ray reports every ~10 s
+    while found != wanted and time.monotonic() < deadline:
+        with contextlib.suppress(requests.RequestException):
+            text = requests.get(url, timeout=10).text
+            found = {n for n in wanted if re.search(rf"^{n}\{{", text, re.M)}
+        time.sleep(2)
+    assert found == wanted, f"not exported: {sorted(wanted - found)}"
 
 
 def _replica_trees(server_cls: str) -> list[int]:

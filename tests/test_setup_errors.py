@@ -163,7 +163,7 @@ def live_pair(tmp_path):
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda h: h["slots"][0].update(layer_name="model.other_table"), "slot names"),
+    (lambda h: h["slots"][0].update(name="model.other_table"), "slot names"),
     (lambda h: h.update(layout_version=2), "layout version 2, this side speaks 3"),
     (lambda h: h["slots"][0].update(stamp_offset=h["slots"][0]["stamp_offset"] + 64),
      "stamp_offset"),

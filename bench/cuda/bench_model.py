@@ -494,7 +494,7 @@ class Loop:
                 t0 = time.perf_counter()
                 with pair.step(host) as step:
                     while pre and any(pair.block.published(i) != step
-                                      for i in range(len(pair.handle.layer_names))):
+                                      for i in range(len(pair.handle.slot_names))):
                         pass
                     posts.append(time.perf_counter() - t0)  # pre: the post and the gather
                     if not launch_first:

@@ -29,13 +29,13 @@ PAIRS_ENV = "RAY_PLE_PAIRS"  # the out-of-band payload: the engine's pair handle
 class SlotHandle(Frozen):
     """One slot (one part of one table's row) inside a pair segment: its rows, flag, stamp.
 
-    `layer_name` is the slot's name, the key the pull op resolves (`PleGeometry.slots`:
+    `name` is the slot's name, the key the pull op resolves (`PleGeometry.slots`:
     the table's own name when it has one part, `table#p` for part p of several); `table`,
     `part`, `first_layer`, `num_layers` and `col_offset` say which model layers and which
     bytes of the table's row it holds.
     """
 
-    layer_name: str
+    name: str
     table: str
     part: int = Field(ge=0)
     first_layer: int = Field(ge=0)
@@ -76,9 +76,9 @@ class PairHandle(Frozen):
     slots: tuple[SlotHandle, ...] = Field(min_length=1)
 
     @property
-    def layer_names(self) -> tuple[str, ...]:
+    def slot_names(self) -> tuple[str, ...]:
         """The slot names, in slot order (the pull op's keys)."""
-        return tuple(s.layer_name for s in self.slots)
+        return tuple(s.name for s in self.slots)
 
     def layout(self) -> PairLayout:
         return PairLayout.compute(self.control.max_tokens, tuple(s.row_bytes for s in self.slots),
@@ -120,7 +120,7 @@ def make_pair_handle(*, rank: int, segment: SegmentRef, node_id: str, actor_name
                      fingerprint: str, geometry: PleGeometry, layout: PairLayout) -> PairHandle:
     slots = tuple(
         SlotHandle(
-            layer_name=g.name, table=g.table, part=g.part, first_layer=g.first_layer,
+            name=g.name, table=g.table, part=g.part, first_layer=g.first_layer,
             num_layers=g.num_layers, col_offset=g.col_offset,
             index=i, rows=g.rows, row_bytes=g.row_bytes, dtype=g.dtype,
             max_tokens=layout.max_tokens, slot_offset=layout.slot_offsets[i],
@@ -152,13 +152,13 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
         raise bad(f"it is for rank {handle.rank}")
     if handle.layout_version != LAYOUT_VERSION:
         raise bad(f"layout version {handle.layout_version}, this side speaks {LAYOUT_VERSION}")
-    if handle.layer_names != expected.slot_names:
-        raise bad(f"slot names {list(handle.layer_names)} != {list(expected.slot_names)}")
+    if handle.slot_names != expected.slot_names:
+        raise bad(f"slot names {list(handle.slot_names)} != {list(expected.slot_names)}")
     if handle.control.max_tokens != expected.max_tokens:
         raise bad(f"max_tokens {handle.control.max_tokens} != {expected.max_tokens}")
     for i, (slot, geo) in enumerate(zip(handle.slots, expected.slots())):
         if slot.index != i:
-            raise bad(f"slot {slot.layer_name} has index {slot.index}")
+            raise bad(f"slot {slot.name} has index {slot.index}")
         for field, want in (("table", geo.table), ("part", geo.part),
                             ("first_layer", geo.first_layer), ("num_layers", geo.num_layers),
                             ("col_offset", geo.col_offset),
@@ -166,10 +166,10 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
                             ("dtype", geo.dtype), ("max_tokens", expected.max_tokens),
                             ("slot_bytes", expected.max_tokens * geo.row_bytes)):
             if getattr(slot, field) != want:
-                raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)!r}, "
+                raise bad(f"{slot.name}.{field} = {getattr(slot, field)!r}, "
                           f"expected {want!r}")
         if slot.row_bytes % ITEMSIZE[slot.dtype]:
-            raise bad(f"{slot.layer_name}.row_bytes not a multiple of {slot.dtype}")
+            raise bad(f"{slot.name}.row_bytes not a multiple of {slot.dtype}")
     layout = handle.layout()
     for slot in handle.slots:
         i = slot.index
@@ -178,7 +178,7 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
                             ("published_offset", layout.published_offsets[i]),
                             ("stamp_offset", layout.stamp_offsets[i])):
             if getattr(slot, field) != want:
-                raise bad(f"{slot.layer_name}.{field} = {getattr(slot, field)}, layout says {want}")
+                raise bad(f"{slot.name}.{field} = {getattr(slot, field)}, layout says {want}")
     c = handle.control
     if ((c.count_offset, c.ids_offset, c.sleeping_offset, c.announced_offset)
             != (layout.count_offset, layout.ids_offset, SLEEPING_OFF, ANNOUNCED_OFF)):

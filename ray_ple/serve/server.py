@@ -4,6 +4,10 @@
 pairs in the replica's own placement group (worker rank r and its offload actor share bundle
 r), hands the handles to the engine out of band, starts the engine, and has the supervisor
 confirm that every worker attached. `check_health()` reports the supervisor's verdict.
+
+Readiness: Ray Serve LLM's constructor awaits `start()`, and Serve marks a replica RUNNING only
+once the constructor returned, so a RUNNING replica has its engine and every pair up; the
+application's `RUNNING` status (`serve status`, KubeRay's RayService) is the signal to wait for.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class WorkerPair:
                  transport_name: str, deadlines: PleDeadlines, heartbeat_s: float,
                  post: str = "host") -> None:
         self.handle, self.segment, self.block = handle, segment, block
-        self.worker = WorkerEnd(block, handle.rank, deadlines, handle.layer_names)
+        self.worker = WorkerEnd(block, handle.rank, deadlines, handle.slot_names)
         if post not in ("host", "stream") or (post == "stream"
                                                and transport_name not in STREAM_POSTING):
             raise PleConfigError(f"ple.post {post!r} with transport {transport_name!r}: 'host', "
@@ -72,7 +72,7 @@ class WorkerPair:
         block.worker_pid = os.getpid()
         block.set_state(State.READY)
         pair._beater.start()
-        log_event("pair_attached", rank=rank, layers=list(handle.layer_names),
+        log_event("pair_attached", rank=rank, layers=list(handle.slot_names),
                   transport=transport, post=post, max_tokens=layout.max_tokens,
                   segment_bytes=layout.size)
         return pair
@@ -204,7 +204,7 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
     global _PAIR
     with _LOCK:
         if _PAIR is not None:
-            if _PAIR.worker.rank != rank or _PAIR.handle.layer_names != expected.slot_names:
+            if _PAIR.worker.rank != rank or _PAIR.handle.slot_names != expected.slot_names:
                 raise PleHandleError("this process is already attached to another pair")
             return _PAIR
         handles = {h.rank: h for h in EngineHandles.from_env(os.environ).pairs}
@@ -213,6 +213,6 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
         pair = WorkerPair.attach(handles[rank], expected, rank=rank, transport=transport,
                                  deadlines=deadlines, heartbeat_s=heartbeat_s, post=post)
         _LAYERS.clear()
-        _LAYERS.update({name: i for i, name in enumerate(pair.handle.layer_names)})
+        _LAYERS.update({name: i for i, name in enumerate(pair.handle.slot_names)})
         _PAIR = pair
         return pair

@@ -162,7 +162,7 @@ def registered(pair: worker_pair.WorkerPair) -> Iterator[worker_pair.WorkerPair]
     saved = worker_pair._PAIR, dict(worker_pair._LAYERS)
     worker_pair._PAIR = pair
     worker_pair._LAYERS.clear()
-    worker_pair._LAYERS.update({n: i for i, n in enumerate(pair.handle.layer_names)})
+    worker_pair._LAYERS.update({n: i for i, n in enumerate(pair.handle.slot_names)})
     try:
         yield pair
     finally:

@@ -397,7 +397,7 @@ def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
         "p = r.attach(o.handle, g, 'cpu'); "
         f"e = r.Engine(p, r.LateStandIn({ROWS}, g), 8, {ROWS}, torch.device('cpu')); "
         "print(json.dumps({'wrong': e.eager(100), 'c': [p.block.posted, p.block.released], "
-        "'slots': list(p.handle.layer_names)})); o.close()", ckpt)
+        "'slots': list(p.handle.slot_names)})); o.close()", ckpt)
     assert out["wrong"] == 0 and out["c"] == [100, 100]
     assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]
 
