@@ -41,8 +41,8 @@ def test_gpu_pod_checks_pass_under_a_64_kib_memlock():
 @needs_gpu
 def test_cpu_transport_on_a_gpu_node_warns_and_loads_no_cuda():
     code = ("import sys; from ray_ple.tools.cli import main; rc = main(['doctor', '--transport', "
-            "'cpu', '--table-bytes', '1Mi']); print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] == "
-            "'cuda')); sys.exit(rc)")
+            "'cpu', '--table-bytes', '1Mi']); print('LOADED', sorted(m for m in sys.modules "
+            "if m.split('.')[0] == 'cuda')); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                           text=True, timeout=60)
     assert "WARN cuda: a GPU is visible but the transport is cpu" in proc.stdout, proc.stdout
