@@ -9,18 +9,24 @@ Mutants per check, generated with `ast`: the condition dropped (`False and (...)
 (made `False`/`True`), and each comparison's boundary or sense
 flipped (`<`/`<=`, `>`/`>=`, `==`/`!=`, `is`/`is not`, `in`/`not in`).
 
-The checkout is never touched: the tree is copied to `--work` (the copy is what is imported:
-cwd and PYTHONPATH point at it), each mutant is applied there, the fast tests that import the
-mutated module (or anything that depends on it) run with `-x`, and the file is restored.
-Killed means a test failed (the first failing node id is recorded); survived means all passed.
-One mutant at a time: the tests start real processes and share the node's cores.
+The checkout is never touched: a commit (`--rev`, HEAD by default, through `git archive`) is
+extracted to `--work` and the copy is what is imported (cwd and PYTHONPATH point at it).
+Which tests can notice a mutant is measured once per pass, as mutmut does: the fast tests
+that reach the target modules run unmutated under coverage, one context per test, in every
+process they start (a `sitecustomize` on the copy's path starts coverage in each; a process
+other than pytest's charges its lines to the test running at the time). Each mutant then
+runs only the tests that ran its line, `-x`, the guards' rows first; a mutant whose line no
+test runs survives without a run. Killed means a test failed (the first failing node id is
+recorded); survived means all passed. One mutant at a time per copy: the tests start real
+processes and share the node's cores.
 
     .venv/bin/python scripts/mutation_pass.py                     # the whole pass, table
     .venv/bin/python scripts/mutation_pass.py --only ID [ID ...]  # re-run some mutants
     .venv/bin/python scripts/mutation_pass.py --list              # the mutants, not run
 
 Results go to `<work>/results.jsonl` (one line per mutant run; `--resume` skips mutants
-already run there and reuses the baseline) and the table to `--out` (docs/mutation.md), between the
+already run there or killed in `--out`'s table, and reuses `<work>/coverage.json` while the
+tree is the same) and the table to `--out` (docs/mutation.md), between the
 markers it carries. Equivalent mutants are explained in `EQUIVALENT` below, keyed by the
 mutant's stable key (file, function, original, mutant): line numbers move, keys do not.
 """
@@ -83,6 +89,43 @@ EQUIVALENT: dict[str, str] = {
         "enforced by the size check at the top: every counter lies in the words page, so on "
         "a file of at least `layout.size` bytes each read is 8 bytes; only a truncation "
         "during the read differs (a race no test can place)",
+    "ray_ple/protocol/transaction.py:next_posted: posted < last -> posted <= last":
+        "the two differ only at posted == last, and the one caller (OffloadEnd.next_step) "
+        "returns None before calling it there: nothing new posted",
+    "ray_ple/protocol/shm.py:_open_nameless: exc.errno not in (errno.EOPNOTSUPP, "
+    "errno.EISDIR, errno.EINVAL) -> False and (exc.errno not in (errno.EOPNOTSUPP, "
+    "errno.EISDIR, errno.EINVAL))":
+        "the named fallback then opens a file in the same directory with the same mode and "
+        "fails with the same errno (ENOENT, ENOTDIR, EACCES, ENOSPC...), raising the same "
+        "PleShmError; SharedSegment.create checks the directory exists first",
+    "ray_ple/protocol/shm.py:SharedSegment.create: avail < size -> False and (avail < size)":
+        "harmless: posix_fallocate then refuses the same size with ENOSPC, raised as the "
+        "same PleShmError ('too small for the ray-ple segment'); the check says it before "
+        "the kernel reserves any page",
+    "ray_ple/protocol/shm.py:SharedSegment.create: exc.errno in (errno.ENOSPC, "
+    "errno.ENOMEM) -> False and (exc.errno in (errno.ENOSPC, errno.ENOMEM))":
+        "harmless: the same PleShmError either way, only its wording differs ('too small' "
+        "or 'cannot reserve'); ENOSPC from posix_fallocate cannot be placed on this node's "
+        "/dev/shm without filling it for every other process",
+    "ray_ple/protocol/shm.py:SharedSegment._create_huge: room < size -> False and (room < "
+    "size)":
+        "harmless: posix_fallocate on an empty hugetlb pool then fails with ENOSPC, raised "
+        "as the same PleShmError ('the host's hugetlb pool cannot hold'); the check only "
+        "avoids zeroing every free huge page in vain (and this node has no hugetlb pool to "
+        "test it)",
+    "ray_ple/protocol/shm.py:SharedSegment.create: exc.errno in (errno.ENOSPC, "
+    "errno.ENOMEM) -> exc.errno not in (errno.ENOSPC, errno.ENOMEM)":
+        "harmless: the same PleShmError either way, only its wording differs ('too small' "
+        "or 'cannot reserve'); a failing posix_fallocate cannot be placed on this node's "
+        "/dev/shm without filling it for every other process",
+    "ray_ple/protocol/shm.py:SharedSegment.seal: time.monotonic() < deadline -> "
+    "time.monotonic() <= deadline":
+        "the two differ only when time.monotonic() returns exactly the deadline (a float "
+        "sum): one more 50 ms retry at that instant; no test can place it",
+    "ray_ple/protocol/doorbell.py:DoorbellListener.wait: left <= 0 -> left < 0":
+        "the two differ only when the time left is exactly 0.0 (a float difference): then "
+        "the mutant sets a 1 us receive timeout and reads once more, returning at once; no "
+        "test can place it",
 }
 
 
@@ -303,11 +346,157 @@ def tests_for(root: Path, module: str, graph: dict[str, set[str]],
 
 
 # Running ----------------------------------------------------------------------------------
-def copy_tree(src: Path, dst: Path) -> None:
+def copy_tree(src: Path, dst: Path, rev: str | None) -> None:
+    """The tree to mutate: the commit `rev` (`git archive`, so the pass does not see files
+    being edited in the checkout), or with `rev` None the checkout's files as they are."""
     if dst.exists():
         shutil.rmtree(dst)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "__pycache__", ".pytest_cache", "*.egg-info", ".ruff_cache"))
+    if rev is None:
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
+            ".venv", ".git", "__pycache__", ".pytest_cache", "*.egg-info", ".ruff_cache"))
+        return
+    dst.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(src), "archive", rev], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=archive, check=True)
+
+
+# Which tests reach a line: coverage with one context per test --------------------------
+# Loaded in every Python process of the coverage run (the copy's pytest, the processes its
+# tests spawn, Ray's workers): measures `ray_ple` with the running test's node id as the
+# context. pytest's process switches on each test (the plugin below); any other process
+# follows the file the plugin writes (polled), so a line run by a child is charged to the
+# test that was running then.
+_SITECUSTOMIZE = '''
+import os
+if os.environ.get("MUT_COVRC"):
+    import threading
+    import time
+
+    import coverage
+
+    POLL = True
+    _cov = coverage.Coverage(config_file=os.environ["MUT_COVRC"], data_suffix=True)
+    _cov.start()
+    _path = os.environ["MUT_CURRENT"]
+
+    def _read():
+        try:
+            with open(_path) as f:
+                return f.read() or "(none)"
+        except OSError:
+            return "(none)"
+
+    _now = _read()
+    _cov.switch_context(_now)
+
+    def _follow():
+        global _now
+        while POLL:
+            time.sleep(0.02)
+            new = _read()
+            if POLL and new != _now:
+                _now = new
+                _cov.switch_context(new)
+
+    threading.Thread(target=_follow, daemon=True, name="mutation-coverage").start()
+    import atexit
+    atexit.register(lambda: (_cov.stop(), _cov.save()))
+'''
+_PLUGIN = '''
+import os
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    import sitecustomize
+    sitecustomize.POLL = False  # this process switches by itself, exactly
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    import sitecustomize
+    path = os.environ["MUT_CURRENT"]
+    with open(path + ".tmp", "w") as f:
+        f.write(nodeid)
+    os.replace(path + ".tmp", path)
+    if hasattr(sitecustomize, "_cov"):
+        sitecustomize._cov.switch_context(nodeid)
+'''
+
+
+def coverage_run(copy: Path, tests: list[str], timeout_s: int, work: Path) -> dict:
+    """The unmutated selection once, to its end, under coverage with per-test contexts:
+    which tests run each line of the target files (`lines`: file -> line -> node ids), the
+    tests that fail unmutated (`broken`, left out of every run) and each test's duration."""
+    hook, data = work / "covhook", work / "covdata"
+    for d in (hook, data):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    (hook / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    (hook / "mutation_context.py").write_text(_PLUGIN)
+    rc = hook / "coveragerc"
+    rc.write_text(f"[run]\nsource = {copy / 'ray_ple'}\nparallel = true\n"
+                  f"data_file = {data / '.coverage'}\npatch = _exit\n")
+    xml = work / "baseline.xml"
+    xml.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=f"{hook}:{copy}", PYTHONDONTWRITEBYTECODE="1",
+               MUT_COVRC=str(rc), MUT_CURRENT=str(work / "current_test"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "mutation_context", "-m", "not slow",
+                           f"--timeout={timeout_s}", f"--junitxml={xml}", *tests],
+                          cwd=copy, env=env, capture_output=True, text=True)
+    took = round(time.monotonic() - t0, 1)
+    broken = _failures(xml)
+    if proc.returncode != 0 and not broken:
+        raise SystemExit(f"the unmutated tests do not run in the copy: {proc.stdout[-3000:]}")
+    import coverage  # the pass's own dependency (the `test` extra)
+
+    cov = coverage.Coverage(data_file=str(data / ".coverage"))
+    cov.combine([str(data)], keep=False)
+    cd = cov.get_data()
+    lines: dict[str, dict[str, list[str]]] = {}
+    for measured in cd.measured_files():
+        rel = str(Path(measured).relative_to(copy))
+        by_line = cd.contexts_by_lineno(measured)
+        lines[rel] = {str(n): sorted(c for c in ctx if c and c != "(none)")
+                      for n, ctx in by_line.items()}
+    per_test: dict[str, float] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        per_test[_node(case)] = float(case.get("time", 0))
+    return {"seconds": took, "lines": lines, "per_test": per_test, "broken": broken}
+
+
+def _statement_line(src: bytes, start: int, end: int) -> int:
+    """The first line of the innermost statement holding the byte span."""
+    starts = [0]
+    for line in src.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    best, line = -1, src.count(b"\n", 0, start) + 1
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.stmt) and not isinstance(node, (
+                ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            a = starts[node.lineno - 1] + node.col_offset
+            b = starts[node.end_lineno - 1] + node.end_col_offset
+            if a <= start and end <= b and a >= best:
+                best, line = a, node.lineno
+    return line
+
+
+def covering_tests(copy: Path, m: Mutant, cov: dict) -> list[str]:
+    """The tests that ran a line of the mutated expression unmutated: the guards' rows
+    first, then the quickest. None ran it: no test can notice the mutant."""
+    src = (copy / m.file).read_bytes()
+    first, last = src.count(b"\n", 0, m.start) + 1, src.count(b"\n", 0, m.end) + 1
+    by_line = cov["lines"].get(m.file, {})
+    stmt = _statement_line(src, m.start, m.end)  # a continuation line may have no event
+    nodes = {t for n in {stmt, *range(first, last + 1)} for t in by_line.get(str(n), ())}
+    nodes -= set(cov["broken"])
+    return sorted(nodes, key=lambda t: (not t.startswith("tests/test_guards.py"),
+                                        cov["per_test"].get(t, 0.0), t))
 
 
 def tree_digest(root: Path, files: list[str]) -> str:
@@ -386,7 +575,7 @@ def apply(copy: Path, m: Mutant) -> bytes:
 
 
 def run_mutant(copy: Path, m: Mutant, tests: list[str], timeout_s: int, work: Path,
-               broken: list[str]) -> dict:
+               broken: list[str], confirm: bool = True) -> dict:
     """Apply, run, restore. A kill is confirmed by running the killing test alone on the
     restored tree: a test that fails there too failed for another reason (the host's memory
     moved by another session, say); it is deselected and the mutant runs again."""
@@ -399,7 +588,7 @@ def run_mutant(copy: Path, m: Mutant, tests: list[str], timeout_s: int, work: Pa
                 res = run_tests(copy, tests, timeout_s, work / "run.xml", deselect)
         finally:
             (copy / m.file).write_bytes(orig)
-        if res["status"] != "killed" or " (" not in res["by"]:
+        if res["status"] != "killed" or " (" not in res["by"] or not confirm:
             break
         node = res["by"].split(" (")[0]
         if run_tests(copy, [node], timeout_s, work / "confirm.xml")["status"] == "survived":
@@ -408,24 +597,6 @@ def run_mutant(copy: Path, m: Mutant, tests: list[str], timeout_s: int, work: Pa
         flaky.append(node)
         res = {"status": "survived?", "by": f"only flaky kills: {flaky}", "seconds": None}
     return res | ({"flaky": flaky} if flaky else {})
-
-
-def baseline_durations(copy: Path, tests: list[str], timeout_s: int, work: Path) -> dict:
-    """Run the unmutated selection once, to the end: a test that fails here fails for
-    reasons of this machine (no mutant needed) and is left out of every run, named in the
-    table; per-file durations order the runs."""
-    xml = work / "baseline.xml"
-    res = run_tests(copy, tests, timeout_s, xml, stop_at_first=False)
-    broken = _failures(xml)
-    if res["status"] != "survived" and not broken:
-        raise SystemExit(f"the unmutated tests do not run in the copy: {res}")
-    if broken:
-        print(f"baseline: {len(broken)} tests fail unmutated, left out: {broken}", flush=True)
-    per_file: dict[str, float] = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        f = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
-        per_file[f] = per_file.get(f, 0.0) + float(case.get("time", 0))
-    return {"seconds": res["seconds"], "per_file": per_file, "broken": broken}
 
 
 # The table --------------------------------------------------------------------------------
@@ -461,10 +632,12 @@ def write_table(out: Path, mutants: list[Mutant], results: dict[str, dict], meta
     out.write_text(text[:a] + block + text[b:])
 
 
-def _commit(src: Path) -> str:
+def _commit(src: Path, rev: str | None) -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, text=True,
-                              capture_output=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", rev or "HEAD"], cwd=src,
+                              text=True, capture_output=True, check=True).stdout.strip()
+        if rev is not None:
+            return head
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "ray_ple", "tests"],
                                cwd=src, text=True, capture_output=True).stdout.strip()
         return head + (" + uncommitted changes" if dirty else "")
@@ -472,11 +645,27 @@ def _commit(src: Path) -> str:
         return "unknown"
 
 
+def earlier_table(out: Path) -> dict[str, dict]:
+    """Killed rows of the table already in `out`, by id: an id is its mutant's key (file,
+    function, original, mutant), so a row whose id the tree still yields is that mutant."""
+    got = {}
+    if not out.exists():
+        return got
+    for row in out.read_text().splitlines():
+        cells = [c.strip() for c in row.split(" | ")]
+        if row.startswith("| ") and len(cells) >= 6 and cells[4] == "killed":
+            got[cells[0].lstrip("| ")] = {"status": "killed", "by": cells[5].rstrip(" |"),
+                                          "seconds": None, "from": "the earlier pass"}
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--src", type=Path, default=ROOT, help="tree to copy (default: this one)")
+    ap.add_argument("--src", type=Path, default=ROOT, help="repository to copy (default: this)")
+    ap.add_argument("--rev", default="HEAD",
+                    help="commit to mutate (git archive); 'worktree': the files as they are")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ray-ple-mutation"),
-                    help="scratch directory: the copy, results.jsonl")
+                    help="scratch directory: the copy, results.jsonl, coverage.json")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "mutation.md")
     ap.add_argument("--files", nargs="*", help="only these target files (repo-relative)")
     ap.add_argument("--only", nargs="*", help="only these mutant ids")
@@ -484,22 +673,26 @@ def main() -> None:
     ap.add_argument("--table", action="store_true",
                     help="write the table from the results so far and stop (with --no-copy)")
     ap.add_argument("--resume", action="store_true",
-                    help="keep results of an earlier run on the same tree")
+                    help="keep results of an earlier run, and the killed rows of --out's table")
     ap.add_argument("--timeout", type=int, default=120, help="per test (pytest-timeout)")
     ap.add_argument("--budget-min", type=float, default=0,
                     help="stop starting mutants after this many minutes (0: no limit)")
     ap.add_argument("--no-copy", action="store_true", help="reuse the copy in --work")
+    ap.add_argument("--no-confirm", action="store_true",
+                    help="take a kill as it is (default: the killing test is run again alone "
+                         "on the restored tree; one that fails there too is deselected)")
     args = ap.parse_args()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stopped mid-mutant: restore, then exit
         signal.signal(sig, signal.default_int_handler)
 
     src, work = args.src.resolve(), args.work.resolve()
+    rev = None if args.rev == "worktree" else args.rev
     if work == src or src in work.parents:
         raise SystemExit("--work must be outside the tree: the checkout is never mutated")
     copy = work / "src"
     work.mkdir(parents=True, exist_ok=True)
     if not args.no_copy or not copy.exists():
-        copy_tree(src, copy)
+        copy_tree(src, copy, rev)
     files = args.files or target_files(copy)
     mutants = find_mutants(copy, files)
     if args.list:
@@ -517,6 +710,12 @@ def main() -> None:
     results_path = work / "results.jsonl"
     results: dict[str, dict] = {}  # the latest run of each mutant
     done: set[str] = set()  # mutants already run on this very tree
+    if args.resume:
+        ids = {m.id for m in mutants}
+        for i, r in earlier_table(args.out).items():
+            if i in ids:
+                results[i] = r
+                done.add(i)
     if (args.resume or args.only or args.table) and results_path.exists():
         for line in results_path.read_text().splitlines():
             r = json.loads(line)
@@ -526,36 +725,31 @@ def main() -> None:
     elif results_path.exists():
         results_path.unlink()
 
+    cov_path = work / "coverage.json"
     if args.table:
-        meta = {"commit": _commit(src), "digest": digest, "when": time.strftime(
-            "%Y-%m-%d %H:%M UTC", time.gmtime())}
-        base = json.loads((work / "baseline.json").read_text())
-        meta["commit"] = base.get("commit", meta["commit"])  # the tree the pass copied
-        write_table(args.out, mutants, results, meta | {"broken": base["broken"]})
+        base = json.loads(cov_path.read_text())
+        meta = {"commit": base["commit"], "digest": digest, "broken": base["broken"],
+                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        write_table(args.out, mutants, results, meta)
         print(f"table: {args.out}")
         return
-    graph = import_graph(copy)
     todo = [m for m in mutants if (not args.only or m.id in args.only)
             and (args.only or m.id not in done)]
     # every check dropped first (does it matter at all?), then the boundaries; by PRIORITY
     todo.sort(key=lambda m: (m.kind != "drop", files.index(m.file), m.start))
-    selections = {f: None for f in {m.file for m in todo}}
-    base_path = work / "baseline.json"
-    base = (json.loads(base_path.read_text())
-            if base_path.exists() and (args.resume or args.only) else None)
-    if todo and base is None:  # (--resume and --only reuse the last baseline as it is)
-        union = sorted({t for f in selections for t in tests_for(copy, _module_name(
-            copy, copy / f), graph, {})})
-        print(f"baseline: {len(union)} test files, unmutated", flush=True)
-        base = baseline_durations(copy, union, args.timeout, work) | {
-            "digest": digest, "commit": _commit(src)}
-        base_path.write_text(json.dumps(base))
-        print(f"baseline passed in {base['seconds']} s", flush=True)
-    for f in selections:
-        selections[f] = [t for t in tests_for(copy, _module_name(copy, copy / f), graph,
-                                              base["per_file"] if base else {})
-                         if not base or t in base["per_file"]]  # all slow: nothing to run
-    meta = {"commit": (base or {}).get("commit") or _commit(src), "digest": digest,
+    base = json.loads(cov_path.read_text()) \
+        if cov_path.exists() and (args.resume or args.only) else None
+    if todo and (base is None or base.get("digest") != digest):
+        graph = import_graph(copy)
+        union = sorted({t for f in {m.file for m in todo} for t in tests_for(
+            copy, _module_name(copy, copy / f), graph, {})})
+        print(f"coverage: {len(union)} test files, unmutated", flush=True)
+        base = coverage_run(copy, union, args.timeout, work) | {
+            "digest": digest, "commit": _commit(src, rev)}
+        cov_path.write_text(json.dumps(base))
+        print(f"coverage run: {base['seconds']} s, {len(base['per_test'])} tests, "
+              f"{len(base['broken'])} failing unmutated", flush=True)
+    meta = {"commit": (base or {}).get("commit") or _commit(src, rev), "digest": digest,
             "broken": base["broken"] if base else [],
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     start = time.monotonic()
@@ -564,18 +758,26 @@ def main() -> None:
             if args.budget_min and time.monotonic() - start > args.budget_min * 60:
                 print(f"budget spent: {len(todo) - n + 1} mutants not run", flush=True)
                 break
-            res = run_mutant(copy, m, selections[m.file], args.timeout, work, base["broken"])
-            results[m.id] = rec = asdict(m) | res | {"id": m.id, "digest": digest}
+            tests = covering_tests(copy, m, base)
+            if not tests:
+                res = {"status": "survived", "by": "(no test runs this line)", "seconds": 0,
+                       "uncovered": True}
+            else:
+                res = run_mutant(copy, m, tests, args.timeout, work, base["broken"],
+                                 confirm=not args.no_confirm)
+            results[m.id] = rec = asdict(m) | res | {"id": m.id, "digest": digest,
+                                                     "selected": len(tests)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(f"[{n}/{len(todo)}] {m.id} {m.file}:{m.line} {m.original!r} -> "
-                  f"{m.mutant!r}: {res['status']} {res['by']} ({res['seconds']} s)", flush=True)
+                  f"{m.mutant!r}: {res['status']} {res['by']} ({res['seconds']} s, "
+                  f"{len(tests)} tests)", flush=True)
     write_table(args.out, mutants, results, meta)
     survived = [m for m in mutants if results.get(m.id, {}).get("status") == "survived"
                 and m.key not in EQUIVALENT]
     print(f"table: {args.out}; {len(survived)} unexplained survivors", flush=True)
     for m in survived:
-        print(f"  survived {m.id} {m.key}")
+        print(f"  survived {m.id} {m.key} {results[m.id]['by']}")
 
 
 if __name__ == "__main__":

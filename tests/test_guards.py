@@ -431,3 +431,450 @@ def test_a_served_table_whose_header_differs_is_refused(source, field, value):
     """`acquire_table`: a sealed table of the right size from our own user whose header says
     another table (or one not fully loaded) is never mapped as this one."""
     _refused(source, {field: value}, None, PleModelError, "served by a peer does not match")
+
+
+# The handle against the segment: size, and the header the segment carries ------------------
+def test_a_handle_whose_segment_size_is_not_the_layouts_is_refused():
+    """`validate_pair_handle`: a handle that names a segment of another size than its own
+    layout needs would map views past the segment's end (or rows of another layout); one
+    `PleHandleError` before anything is mapped."""
+    from ray_ple.protocol.handles import make_pair_handle, validate_pair_handle
+
+    pair = Pair()
+    try:
+        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                                  layout=pair.layout)
+        assert validate_pair_handle(handle, GEOMETRY, rank=0) == pair.layout
+        for size in (pair.layout.size - PAGE, pair.layout.size + PAGE):
+            other = handle.model_copy(update={
+                "segment": handle.segment.model_copy(update={"size": size})})
+            with pytest.raises(PleHandleError, match="segment size"):
+                validate_pair_handle(other, GEOMETRY, rank=0)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("field", ["magic", "version", "slots", "max_tokens"])
+def test_a_segment_whose_header_is_not_the_handles_is_refused(field):
+    """`validate_segment_header`: the header the mapped segment carries (written by the side
+    that made it) must be a pair's and say the handle's layout version, slot count and token
+    bound: a reused fd or a stale handle is one `PleHandleError`, whatever else matches."""
+    from ray_ple.protocol.handles import make_pair_handle, validate_segment_header
+    from ray_ple.protocol.layout import _HDR as PAIR_HDR
+
+    pair = Pair()
+    try:
+        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                                  layout=pair.layout)
+        validate_segment_header(pair.block.read_header(), handle)  # as written: accepted
+        magic, version, slots, max_tokens, token, fp = PAIR_HDR.unpack_from(pair.segment.map, 0)
+        fields = {"magic": magic, "version": version, "slots": slots, "max_tokens": max_tokens}
+        fields[field] += 1
+        pair.segment.map[:PAIR_HDR.size] = PAIR_HDR.pack(*fields.values(), token, fp)
+        with pytest.raises(PleHandleError, match="not a ray-ple pair" if field == "magic"
+                           else "differs from the handle"):
+            validate_segment_header(pair.block.read_header(), handle)
+    finally:
+        pair.close()
+
+
+# The geometry: a split of the row into parts ----------------------------------------------
+@pytest.mark.parametrize("parts", [(), (0, 8), (-1, 9), (3, 4)],
+                         ids=["none", "an_empty_part", "a_negative_part", "short"])
+def test_parts_that_do_not_split_the_row_are_one_config_error(parts):
+    """`split_layers`: given parts must be at least one, each of at least one layer, adding
+    up to the row's layers; an empty or negative part would make a slot of no rows (or a
+    gate that never opens), so it is a `PleConfigError`, not an `IndexError` later."""
+    from ray_ple.errors import PleConfigError
+    from ray_ple.protocol.geometry import split_layers
+
+    assert split_layers(8, (1, 7)) == (1, 7)
+    with pytest.raises(PleConfigError, match="parts of >= 1 layer"):
+        split_layers(8, parts)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"row_layers": 2, "resident_layers": 2}, "leave none of 2 to offload"),
+    ({"row_layers": 4, "parts": (1, 2)}, "do not split 4 layers"),
+    ({"row_layers": 4, "parts": (0, 4)}, "do not split 4 layers"),
+    ({"row_layers": 4, "parts": (5, -1)}, "do not split 4 layers"),
+    ({"row_layers": 3}, "values per row are not 3 layers"),
+], ids=["all_resident", "short", "an_empty_part", "a_negative_part", "uneven_row"])
+def test_a_geometry_that_does_not_cover_the_row_is_refused(change, match):
+    """`PleGeometry`: a geometry read back from elsewhere (a handle, another process) is
+    validated again: every offloaded layer in exactly one part of >= 1 layer, at least one
+    layer offloaded, a row that splits into whole layers. Else a slot would hold columns of
+    no layer, or a layer's columns would straddle two slots."""
+    from pydantic import ValidationError
+
+    from ray_ple.protocol.geometry import PleGeometry
+
+    base = GEOMETRY.model_dump()
+    PleGeometry.model_validate(base | {"row_layers": 4, "resident_layers": 1,
+                                       "parts": (1, 2)})  # a valid split: accepted
+    with pytest.raises(ValidationError, match=match):
+        PleGeometry.model_validate(base | change)
+
+
+# Deadlines: missed only past their limit, to the nanosecond --------------------------------
+def test_a_heartbeat_is_stale_only_past_its_limit():
+    """`stale_heartbeat`: a heartbeat exactly `heartbeat_s` old is still alive, one ns more
+    is dead: the limit is the longest silence a live side may have, not one it may not."""
+    from ray_ple.protocol.layout import Side
+    from ray_ple.protocol.transaction import stale_heartbeat
+    from tests.test_transaction_rules import FAST
+
+    pair = Pair()
+    try:
+        limit = int(FAST.heartbeat_s * 1e9)
+        t0 = pair.block.heartbeat(Side.WORKER)
+        assert stale_heartbeat(pair.block, Side.WORKER, t0 + limit, FAST) is None
+        late = stale_heartbeat(pair.block, Side.WORKER, t0 + limit + 1, FAST)
+        assert late is not None and late.reason is Reason.HEARTBEAT
+    finally:
+        pair.close()
+
+
+def test_a_step_deadline_is_missed_only_past_its_limit():
+    """`Deadline.check`: a condition that has held exactly the limit is not a miss yet; one
+    ns past it is, and a new step restarts the clock."""
+    from ray_ple.protocol.transaction import Deadline
+
+    d = Deadline(Reason.STEP_DEADLINE, 0.25, "released")
+    assert d.check(True, 1, 1_000) is None
+    assert d.check(True, 1, 1_000 + 250_000_000) is None
+    missed = d.check(True, 1, 1_000 + 250_000_001)
+    assert missed is not None and missed.reason is Reason.STEP_DEADLINE
+    assert d.check(True, 2, 1_000 + 250_000_001) is None  # a new step: a new clock
+
+
+def test_a_checkpoint_of_an_unsupported_dtype_is_one_model_error(tmp_path):
+    """`_engine_dtype`: a table dtype the transport cannot copy (int8 here) is one
+    `PleModelError` naming it, before any geometry or segment is made from it."""
+    import json
+
+    from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
+
+    cfg = {"architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 2,
+           "hidden_size_per_layer_input": 8, "vocab_size": 64, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert geometry_from_config(read_hf_config(tmp_path), max_tokens=8).layers[0].dtype \
+        == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "int8"}))
+    with pytest.raises(PleModelError, match="unsupported dtype 'int8'"):
+        geometry_from_config(read_hf_config(tmp_path), max_tokens=8)
+
+
+# Shared memory: what a handed-over fd must be, and how a segment is made and sealed ---------
+def _memfd(size: int, sealed: bool) -> int:
+    fd = os.memfd_create("ray-ple-guard", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.fchmod(fd, 0o600)
+    os.posix_fallocate(fd, 0, size)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
+def test_a_handed_over_fd_is_refused_unless_a_sealed_private_file_of_the_size():
+    """`check_sealed`: what a peer hands over must be a regular private file (not a pipe,
+    whose mode is 0600 too), of exactly the size this side computed, sealed against writes
+    and resizes; each is its own `PleShmError`, and the right one passes."""
+    from ray_ple.protocol.shm import check_sealed
+
+    good = _memfd(PAGE, sealed=True)
+    r, w = os.pipe()
+    big, loose = _memfd(2 * PAGE, sealed=True), _memfd(PAGE, sealed=False)
+    try:
+        check_sealed(good, PAGE, "table")
+        with pytest.raises(PleShmError, match="not a private shared-memory file"):
+            check_sealed(r, PAGE, "table")
+        with pytest.raises(PleShmError, match=f"holds {2 * PAGE} bytes"):
+            check_sealed(big, PAGE, "table")
+        with pytest.raises(PleShmError, match="not sealed against writes"):
+            check_sealed(loose, PAGE, "table")
+    finally:
+        for fd in (good, r, w, big, loose):
+            os.close(fd)
+
+
+def test_a_segment_in_a_missing_directory_is_one_shm_error(tmp_path):
+    """`SharedSegment.create`: a shared-memory directory that is not there (a pod without
+    /dev/shm mounted) is one `PleShmError` naming it, not a bare `FileNotFoundError`."""
+    with pytest.raises(PleShmError, match="does not exist"):
+        SharedSegment.create("pair", PAGE, str(tmp_path / "nope"))
+
+
+def test_no_shmem_line_is_one_clear_error(monkeypatch):
+    """`shmem_bytes`: a kernel whose /proc/meminfo has no Shmem line is one error that says
+    so, not a `TypeError` from arithmetic on None."""
+    from ray_ple.protocol import shm
+
+    assert shm.shmem_bytes() >= 0
+    monkeypatch.setattr(shm, "_meminfo", lambda: {})
+    with pytest.raises(RuntimeError, match="no Shmem"):
+        shm.shmem_bytes()
+
+
+def test_sealing_waits_out_a_transient_pin_then_gives_up(monkeypatch):
+    """`SharedSegment.seal`: the kernel refuses the write seal (EBUSY) while a writable
+    mapping of the file exists; a pin that goes within `SEAL_WAIT_S` is waited out, one
+    that stays is one `PleShmError` at the deadline (not a wait forever), and an fd that
+    cannot be sealed at all fails at once."""
+    import mmap
+    import threading
+
+    from ray_ple.protocol import shm
+
+    monkeypatch.setattr(shm, "SEAL_WAIT_S", 1.0)
+    seg = SharedSegment.create("guard", PAGE, sealable=True)
+    pin = mmap.mmap(seg.fd, PAGE)  # a second writable mapping: EBUSY until it goes
+    timer = threading.Timer(0.3, pin.close)
+    timer.start()
+    try:
+        seg.seal()
+        assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    finally:
+        timer.join()
+        seg.close()
+    seg = SharedSegment.create("guard", PAGE, sealable=True)
+    pin = mmap.mmap(seg.fd, PAGE)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PleShmError, match="cannot seal"):
+            seg.seal()
+        assert 0.9 < time.monotonic() - t0 < 3
+    finally:
+        pin.close()
+        seg.close()
+    seg = SharedSegment.create("guard", PAGE)  # a tmpfs file, no seals at all
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PleShmError, match="cannot seal"):
+            seg.seal()
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        seg.close()
+
+
+def test_an_idle_offload_side_with_its_last_step_released_waits_without_a_deadline():
+    """`OffloadEnd.watch`: the step deadline runs only while the last step is unreleased;
+    between steps (released == last) the offload side may wait any time for the next post,
+    and only a real rule (here the worker's heartbeat going stale) ends it."""
+    from ray_ple.protocol.layout import Side
+
+    pair = Pair(step=1)
+
+    def body(p: Pair) -> None:
+        end = p.offload()
+        t0 = time.monotonic_ns()
+        for k in range(4):  # 1.5 s idle, the step deadline is 0.2 s
+            now = t0 + k * 500_000_000
+            p.block.beat(Side.WORKER, now)
+            end.watch(now)
+        end.watch(t0 + 10 * 1_000_000_000)  # the worker silent for 8.5 s
+
+    try:
+        verdict = run_side(pair, body)
+        assert (verdict["reason"], verdict["where"]) == (Reason.HEARTBEAT.name, "offload")
+    finally:
+        pair.close()
+
+
+def test_a_huge_segment_on_a_host_without_hugetlb_is_one_shm_error(monkeypatch):
+    """`SharedSegment._create_huge`: a host with no huge page size (or a Python without
+    `MFD_HUGETLB`) is one `PleShmError` saying so, not a division by a zero page size or
+    a missing attribute."""
+    from ray_ple.protocol import shm
+
+    monkeypatch.setattr(shm, "huge_page_size", lambda: 0)
+    with pytest.raises(PleShmError, match="no hugetlb pages"):
+        SharedSegment.create("table", PAGE, huge=True)
+    monkeypatch.setattr(shm, "huge_page_size", lambda: 2 << 20)
+    monkeypatch.delattr(os, "MFD_HUGETLB", raising=False)
+    with pytest.raises(PleShmError, match="no hugetlb pages"):
+        SharedSegment.create("table", PAGE, huge=True)
+
+
+def test_a_segment_where_o_tmpfile_is_unsupported_falls_back_to_a_name_unlinked_at_once(
+        monkeypatch):
+    """`_open_nameless`: a kernel or filesystem without `O_TMPFILE` (EOPNOTSUPP) still gets
+    its segment, through a 0600 file whose name is unlinked right after the open; any other
+    error is the caller's."""
+    import errno
+    import stat
+
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args, **kwargs):  # noqa: ANN001, ANN202 - os.open's
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "O_TMPFILE not supported here")
+        return real_open(path, flags, *args, **kwargs)
+
+    before = set(ple_shm_entries())
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    seg = SharedSegment.create("pair", PAGE)
+    try:
+        st = os.fstat(seg.fd)
+        assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 == 0o600 and st.st_nlink == 0
+        assert set(ple_shm_entries()) == before, "no name is left behind"
+    finally:
+        seg.close()
+
+
+@ROOT_ONLY
+def test_a_wait_ends_at_its_timeout_under_a_flood_from_another_uid():
+    """`DoorbellListener.wait`: before the worker's ringer is bound, another uid's datagrams
+    reach the listener; each is taken and the wait goes on for the rest of its timeout only,
+    so a flood that keeps the queue full never holds the offload side past its deadline."""
+    import signal
+    import struct
+
+    from ray_ple.protocol.doorbell import DoorbellListener
+    from tests.test_doorbell import _flood
+
+    token = os.urandom(16).hex()
+    listener = DoorbellListener(token)
+    report_r, report_w = os.pipe()
+    started_r, started_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(report_r)
+            os.close(started_r)
+            _flood(token, report_w, started_w)
+        finally:
+            os._exit(1)
+    os.close(report_w)
+    os.close(started_w)
+    try:
+        assert os.read(started_r, 1) == b"s", "the flooder is flooding"
+        took = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert listener.wait(0.1) is False
+            took.append(time.monotonic() - t0)
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        sent, _ = struct.unpack("qq", os.read(report_r, 16))
+        os.waitpid(pid, 0)
+        os.close(report_r)
+        os.close(started_r)
+        listener.close()
+    assert sent > 0 and max(took) < 1.0, took
+
+
+def test_a_checkpoint_whose_table_is_not_the_configs_shape_is_refused(tmp_path):
+    """`_check_shape`: a PLE tensor of another shape than the model config implies (here one
+    row more than `vocab_size_per_layer_input`) is one `PleModelError`: rows read at the
+    config's stride from it would be other tokens' rows."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"vocab_size_per_layer_input": 63}))
+    source = spec_for(ckpt, max_tokens=8).sources[0]
+    table = None
+    try:
+        with pytest.raises(PleModelError, match=r"has shape \[64, 16\], the model config says"):
+            table = acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
+    finally:
+        if table is not None:
+            table.close()
+
+
+def test_huge_pages_are_not_asked_for_where_python_cannot_ask(monkeypatch):
+    """`want_huge_pages`: a Python or platform without `mmap.MADV_HUGEPAGE` gets False (the
+    table is served on small pages), not an `AttributeError` that ends the load."""
+    import mmap
+
+    from ray_ple.offload.table_store import want_huge_pages
+
+    seg = SharedSegment.create("table", PAGE)
+    try:
+        assert want_huge_pages(seg) in (True, False)
+        monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+        assert want_huge_pages(seg) is False
+    finally:
+        seg.close()
+
+
+def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
+    """`_load`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
+    `PleModelError` naming it, never a table whose last rows are zeros (or a load that
+    spins on a read of nothing)."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
+    (path,) = ckpt.glob("*.safetensors")
+    os.truncate(path, path.stat().st_size - 100)
+    source = spec_for(ckpt, max_tokens=8).sources[0]
+    table = None
+    try:
+        with pytest.raises(PleModelError, match="ends inside"):
+            table = acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
+    finally:
+        if table is not None:
+            table.close()
+
+
+def test_a_broker_that_sends_no_fd_is_waited_out_not_a_crash(source):
+    """`_receive`: a broker of our own user whose answer carries no fd (a holder going away,
+    or one that is not a holder) is "not served yet": the wait goes on to its deadline's one
+    error, never an `IndexError`."""
+    import json
+    import socket
+
+    from tests.test_squatter import yield_ready
+
+    fp, name, size = _names(source)
+
+    def body() -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(name)
+        sock.listen(8)
+        yield_ready()
+        while True:
+            conn, _ = sock.accept()
+            conn.sendall(json.dumps({"fingerprint": fp, "size": size}).encode())
+            conn.close()
+
+    with squatter(body, uid=None):
+        with pytest.raises(PleModelError, match="not available within"):
+            table = acquire_table(source, shm_dir="/dev/shm", deadline_s=1)
+            table.close()
+        assert _mapped_memfds() == [] and _held_memfds() == [], "nothing of it is kept"
+
+
+@ROOT_ONLY
+def test_the_table_broker_hands_its_fd_to_no_other_uid(tmp_path):
+    """`NodeTable._serve`: anyone can connect to the broker's abstract name; a client of
+    another uid is let go without the table's fd (it would map our rows read-only)."""
+    import socket
+
+    from ray_ple.offload.table_store import broker_name
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
+    table = acquire_table(spec_for(ckpt, max_tokens=8).sources[0], shm_dir="/dev/shm",
+                          deadline_s=30)
+    try:
+        name = broker_name(table.fingerprint)
+        pid = os.fork()
+        if pid == 0:  # the other user: how many fds did the broker hand over?
+            code = 9
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(5)
+                sock.connect(name)
+                _, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+                code = len(fds)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the fd went to uid 65534"
+    finally:
+        table.close()

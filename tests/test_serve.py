@@ -319,39 +319,6 @@ def test_a_request_with_media_is_refused_and_the_replica_keeps_serving(served, m
     assert sorted(offload_pids()) == before, "no replica was replaced"
 
 
-def _metrics_export_port(run: ServeRun) -> int:
-    """This run's own metrics export port (from its raylet's command line), never another
-    cluster's on the machine."""
-    for proc in psutil.Process(run.proc.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            for arg in proc.cmdline():
-                if arg.startswith(("--metrics_export_port=", "--metrics-export-port=")):
-                    return int(arg.split("=", 1)[1])
-    raise AssertionError("no process of this serve run names a metrics export port")
-
-
-def test_every_metric_the_dashboard_queries_is_exported(served):
-    """After a few completions, Ray's metrics endpoint exports every name the Grafana
-    dashboard queries, exactly (no doubled `ray_` prefix); the deadline and verdict counters
-    among them with no deadline missed and no verdict (exported at 0)."""
-    import re
-
-    from tests.test_dashboard import dashboard_metrics
-
-    for prompt in PROMPTS:
-        for model in ("tiny-gemma4", "tiny-gemma3n"):
-            complete(model, prompt)
-    url = f"http://127.0.0.1:{_metrics_export_port(served)}/metrics"
-    wanted, found = dashboard_metrics(), set()
-    deadline = time.monotonic() + 40  # Ray reports every ~10 s
-    while found != wanted and time.monotonic() < deadline:
-        with contextlib.suppress(requests.RequestException):
-            text = requests.get(url, timeout=10).text
-            found = {n for n in wanted if re.search(rf"^{n}\{{", text, re.M)}
-        time.sleep(2)
-    assert found == wanted, f"not exported: {sorted(wanted - found)}"
-
-
 def _replica_trees(server_cls: str) -> list[int]:
     """The replicas of one server class and every process under them (engine core, workers)."""
     pids = []
