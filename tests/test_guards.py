@@ -878,3 +878,203 @@ def test_the_table_broker_hands_its_fd_to_no_other_uid(tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0, "the fd went to uid 65534"
     finally:
         table.close()
+
+
+# The worker's pair: its post mode, its registry; the engine's settings ---------------------
+def test_a_pair_refuses_a_post_mode_its_transport_cannot_take():
+    """`WorkerPair`: `ple.post` is 'host', or 'stream' with a transport whose consumer is a
+    stream (cuda); anything else is one `PleConfigError` before a transport is made."""
+    from ray_ple.errors import PleConfigError
+    from ray_ple.protocol.handles import make_pair_handle
+    from ray_ple.worker.pair import WorkerPair
+    from tests.test_transaction_rules import FAST
+
+    pair = Pair()
+    try:
+        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                                  layout=pair.layout)
+        WorkerPair(handle, pair.segment, pair.block, "cpu", FAST, 0.1, post="host").close()
+        for post, transport in (("bogus", "cpu"), ("stream", "cpu")):
+            with pytest.raises(PleConfigError, match="ple.post"):
+                WorkerPair(handle, pair.segment, pair.block, transport, FAST, 0.1, post=post)
+        try:  # stream posting with cuda passes the check (here it may fail for want of a GPU)
+            WorkerPair(handle, pair.segment, pair.block, "cuda", FAST, 0.1,
+                       post="stream").close()
+        except Exception as exc:  # noqa: BLE001 - any error but the post check's
+            assert "ple.post" not in str(exc), exc
+    finally:
+        pair.close()
+
+
+def test_a_pull_for_a_layer_no_pair_of_this_process_serves_is_refused(monkeypatch):
+    """`resolve`: the ops look a layer up by name; no live pair, or a name it does not
+    serve, is one `PleHandleError` (never a pull through a pair of None or slot None)."""
+    from ray_ple.worker import pair as registry
+
+    monkeypatch.setattr(registry, "_PAIR", None)
+    monkeypatch.setattr(registry, "_LAYERS", {"served": 0})
+    for name in ("served", "other"):  # no pair at all: neither is served
+        with pytest.raises(PleHandleError, match="serves layer"):
+            registry.resolve(name)
+    monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that layer
+    with pytest.raises(PleHandleError, match="serves layer 'other'"):
+        registry.resolve("other")
+    assert registry.resolve("served")[1] == 0
+
+
+def test_an_engine_without_ray_ples_settings_is_one_config_error():
+    """`PleEngineSettings.from_additional_config`: an engine started without the builder's
+    `additional_config` entry is told to start through the builder, not a validation error
+    of None."""
+    from ray_ple.errors import PleConfigError
+    from ray_ple.protocol.engine_settings import PleEngineSettings
+
+    for additional in (None, {}, {"other": 1}):
+        with pytest.raises(PleConfigError, match="start it through ray_ple's builder"):
+            PleEngineSettings.from_additional_config(additional)
+
+
+def test_a_broker_that_says_it_serves_another_table_is_refused(source):
+    """`_receive`: the broker's answer names the table it serves; one that names another
+    fingerprint than the one asked for is refused before its fd is checked or mapped,
+    whatever that fd holds."""
+    fp, name, size = _names(source)
+
+    def body() -> None:
+        _serve(name, _table_fd(source, fp, size, {}), "f" * 64, size)
+
+    with squatter(body, uid=None):
+        with pytest.raises(PleModelError, match="the broker serves table f{12}"):
+            table = acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
+            table.close()
+        assert _mapped_memfds() == [] and _held_memfds() == [], "nothing of it is kept"
+
+
+def test_an_attached_worker_keeps_beating_while_idle():
+    """`WorkerPair._beat`: once attached, the worker's heartbeat moves every `heartbeat_s`
+    whether or not a step runs, so an idle replica is never taken for a dead one."""
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.handles import make_pair_handle
+    from ray_ple.protocol.layout import Side
+    from ray_ple.worker.pair import WorkerPair
+    from tests.test_transaction_rules import MAX_TOKENS, ROW_ELEMS
+
+    layout = PairLayout.compute(MAX_TOKENS, (ROW_ELEMS * 2,))
+    seg = SharedSegment.create("pair", layout.size)
+    try:
+        block = ControlBlock(seg, layout)
+        block.write_header(seg.token, "0" * 64)
+        block.beat(Side.OFFLOAD, time.monotonic_ns())
+        handle = make_pair_handle(rank=0, segment=seg.ref(), node_id="local", actor_name="t",
+                                  fingerprint="0" * 64, geometry=GEOMETRY, layout=layout)
+        slow = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=5, startup_s=5)
+        pair = WorkerPair.attach(handle, GEOMETRY, rank=0, transport="cpu", deadlines=slow,
+                                 heartbeat_s=0.02)
+        try:
+            first = block.heartbeat(Side.WORKER)
+            time.sleep(0.3)
+            assert block.heartbeat(Side.WORKER) > first, "no beat while idle"
+        finally:
+            pair.close()
+    finally:
+        seg.close()
+
+
+def test_an_attached_worker_fails_closed_when_the_offload_side_stops_beating():
+    """`WorkerPair._beat`: the worker's own beater checks the offload side's heartbeat; one
+    older than `heartbeat_s` ends the worker's side (HEARTBEAT), even with no step to run."""
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.handles import make_pair_handle
+    from ray_ple.worker.pair import WorkerPair
+
+    pair = Pair()
+    pair.block.set_state(State.INIT)
+    handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                              actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                              layout=pair.layout)
+
+    def body(p: Pair) -> None:
+        quick = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=0.2, startup_s=5)
+        WorkerPair.attach(handle, GEOMETRY, rank=0, transport="cpu", deadlines=quick,
+                          heartbeat_s=0.02)
+        time.sleep(10)  # the offload side never beats again: the beater ends this process
+
+    try:
+        verdict = run_side(pair, body)
+        assert (verdict["reason"], verdict["where"]) == (Reason.HEARTBEAT.name, "worker")
+    finally:
+        pair.close()
+
+
+@ROOT_ONLY
+def test_a_name_held_by_a_visible_other_uid_is_refused_after_one_refusal_window(source):
+    """`_acquire`: a broker name bound, not served, by a process of another uid that this
+    user can see is refused once `_REFUSED_S` of refusals has passed; only an invisible
+    holder (uid unknown) waits the longer window."""
+    from ray_ple.offload.table_store import _REFUSED_S
+
+    fp, name, size = _names(source)
+
+    def body() -> None:
+        _serve(name, -1, fp, size, listen=False)
+
+    with squatter(body) as pid:
+        t0 = time.monotonic()
+        with pytest.raises(PleEnvironmentError, match=f"pid {pid} of uid {NOBODY}"):
+            acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
+        assert time.monotonic() - t0 < 3.8 * _REFUSED_S, "refused after one window, not four"
+
+
+def test_a_name_held_by_our_own_user_without_serving_is_waited_for(source):
+    """`_acquire`: a broker name bound, not yet served, by a process of our own user is a
+    holder still starting (or one that died bound): it is waited for up to the deadline,
+    never refused as another user's."""
+    fp, name, size = _names(source)
+
+    def body() -> None:
+        _serve(name, -1, fp, size, listen=False)
+
+    with squatter(body, uid=None):
+        with pytest.raises(PleModelError, match="not available within 2"):
+            acquire_table(source, shm_dir="/dev/shm", deadline_s=2)
+
+
+def test_a_process_attaches_one_pair_once_and_only_its_own(monkeypatch):
+    """`attach_process`: the engine's handles must hold this worker's rank; a second call
+    for the same rank and slots returns the pair already attached (a second attach would
+    find it READY), and a call for another rank or other slots is refused."""
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.handles import EngineHandles, make_pair_handle
+    from ray_ple.protocol.layout import Side
+    from ray_ple.worker import pair as registry
+
+    pair = Pair()
+    pair.block.set_state(State.INIT)
+    handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                              actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                              layout=pair.layout)
+    monkeypatch.setattr(registry, "_PAIR", None)
+    monkeypatch.setattr(registry, "_LAYERS", {})
+    for key, value in EngineHandles(pairs=(handle,)).env().items():
+        monkeypatch.setenv(key, value)
+    slow = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=5, startup_s=5)
+    kw = {"transport": "cpu", "deadlines": slow, "heartbeat_s": 0.02}
+    dump = GEOMETRY.model_dump()
+    layer = dump["layers"][0]
+    layer[next(k for k in layer if k.endswith("name"))] = "model.other_table"
+    other = type(GEOMETRY).model_validate(dump)
+    attached = None
+    try:
+        with pytest.raises(PleHandleError, match="no pair handle for worker rank 1"):
+            registry.attach_process(GEOMETRY, rank=1, **kw)
+        pair.block.beat(Side.OFFLOAD, time.monotonic_ns())
+        attached = registry.attach_process(GEOMETRY, rank=0, **kw)
+        assert registry.attach_process(GEOMETRY, rank=0, **kw) is attached
+        for geometry, rank in ((GEOMETRY, 1), (other, 0)):
+            with pytest.raises(PleHandleError, match="already attached to another pair"):
+                registry.attach_process(geometry, rank=rank, **kw)
+    finally:
+        if attached is not None:
+            attached.close()
+        pair.close()
