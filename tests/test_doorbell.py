@@ -53,9 +53,8 @@ def _flood(token: str, report: int, started: int) -> None:
             os.write(started, b"s")
 
 
-def test_a_flood_from_another_uid_neither_loses_a_ring_nor_delays_a_wake_up():
-    token = os.urandom(16).hex()
-    listener = DoorbellListener(token)
+def start_flooder(token: str) -> tuple[int, int, int]:
+    """Fork a uid-65534 flooder of `token`'s doorbell: (pid, its report fd, its started fd)."""
     report_r, report_w = os.pipe()
     started_r, started_w = os.pipe()
     pid = os.fork()
@@ -68,6 +67,13 @@ def test_a_flood_from_another_uid_neither_loses_a_ring_nor_delays_a_wake_up():
             os._exit(1)
     os.close(report_w)
     os.close(started_w)
+    return pid, report_r, started_r
+
+
+def test_a_flood_from_another_uid_neither_loses_a_ring_nor_delays_a_wake_up():
+    token = os.urandom(16).hex()
+    listener = DoorbellListener(token)
+    pid, report_r, started_r = start_flooder(token)
     bell = None
     try:
         assert os.read(started_r, 1) == b"s", "the flooder is flooding"

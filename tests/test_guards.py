@@ -732,22 +732,11 @@ def test_a_wait_ends_at_its_timeout_under_a_flood_from_another_uid():
     import struct
 
     from ray_ple.protocol.doorbell import DoorbellListener
-    from tests.test_doorbell import _flood
+    from tests.test_doorbell import start_flooder
 
     token = os.urandom(16).hex()
     listener = DoorbellListener(token)
-    report_r, report_w = os.pipe()
-    started_r, started_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(report_r)
-            os.close(started_r)
-            _flood(token, report_w, started_w)
-        finally:
-            os._exit(1)
-    os.close(report_w)
-    os.close(started_w)
+    pid, report_r, started_r = start_flooder(token)
     try:
         assert os.read(started_r, 1) == b"s", "the flooder is flooding"
         took = []
