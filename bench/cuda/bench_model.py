@@ -280,7 +280,14 @@ def split_label(split: tuple[int, ...]) -> str:
 
 
 class Stack(torch.nn.Module):
-    """The E4B-shaped forward around one PLE source."""
+    """The E4B-shaped forward around one PLE source.
+
+    `draft` > 0 shapes every step as a speculative verification step: T / (draft + 1)
+    sequences, each its sampled id followed by `draft` draft ids that repeat the sequence's
+    ids of the step before, as an n-gram drafter proposes tokens already seen.
+    """
+
+    draft = 0
 
     def __init__(self, w: Weights, source: Any, rows: int) -> None:
         super().__init__()
@@ -310,7 +317,11 @@ class Stack(torch.nn.Module):
         """Wrong words of the step, and the next step's ids."""
         bad = self.src.check(st, ids)
         t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
-        return bad, ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
+        nxt = ((ids * 1103515245 + 12345 + t * 7919) % 2147483648) % self.rows
+        if self.draft:
+            seqs, k = nxt.view(-1, self.draft + 1), self.draft
+            nxt = torch.cat([seqs[:, k:], ids.view(-1, k + 1)[:, :k]], dim=1).reshape(-1)
+        return bad, nxt
 
 
 class UvaRows(torch.nn.Module):
@@ -956,6 +967,9 @@ def main() -> None:
     ap.add_argument("--split-rounds", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list of model,parts,splits,synthetic,"
                     "turnaround to skip")
+    ap.add_argument("--draft", type=int, default=0, help="shape each step as a speculative "
+                    "verification step: T / (DRAFT + 1) sequences of a sampled id and DRAFT "
+                    "draft ids (every --tokens value a multiple of DRAFT + 1)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (transport cpu)")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/ray-ple-bench-model"))
     ap.add_argument("--out", type=Path)
@@ -966,6 +980,9 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required")
+    if a.draft < 0 or any(int(t) % (a.draft + 1) for t in a.tokens.split(",")):
+        ap.error(f"--draft {a.draft}: every --tokens value must be a multiple of {a.draft + 1}")
+    Stack.draft = a.draft
     for spec in [x for x in f"{a.parts},{a.splits}".split(",") if x]:
         try:
             parse_split(spec)
