@@ -9,7 +9,7 @@ Two sides per engine worker, one supervisor per replica (DESIGN.md sections 2-5)
     supervision/  one supervisor per replica: builds the offload actors, watches, ends
     serve/        `serve run` (builder -> server), on Ray Serve LLM
     tools/        the `ray-ple` CLI: doctor, install check, KubeRay manifests
-    testing/      test-only fault cut points and benchmark timestamps, inert by default
+    instrument/   fault cut points and benchmark timestamps the sides call, inert by default
 
 Beside them: `config` (the `ple:` block), `errors` (every user-facing error), `log` (one line
 per event), `base` (the frozen model every boundary uses), `engine_plan` (checkpoint + `ple:`

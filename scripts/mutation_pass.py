@@ -139,7 +139,7 @@ EQUIVALENT: dict[str, str] = {
     "ray_ple/worker/pair.py:WorkerPair._transaction: faults.ACTIVE and "
     "faults.hit(\"worker.raise_after_post\", w.rank) -> False and (faults.ACTIVE and "
     "faults.hit('worker.raise_after_post', w.rank))":
-        "not a guard but a fault-injection hook (ray_ple.testing.faults), inert unless a "
+        "not a guard but a fault-injection hook (ray_ple.instrument.faults), inert unless a "
         "fault plan is armed; its fault (an exception after the post) is the slow fault "
         "suite's (tests/test_faults.py, real engines), which this pass does not run",
     "ray_ple/offload/table_store.py:_acquire: uid is not None or seen_long -> uid is not "

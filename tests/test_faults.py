@@ -37,7 +37,7 @@ from ray_ple.supervision.engine_leftovers import (
     remove_unused,
 )
 from ray_ple.supervision.supervisor import read_verdicts
-from ray_ple.testing import faults
+from ray_ple.instrument import faults
 from tests.faultrig import (
     PROMPTS,
     Clients,

@@ -4,7 +4,7 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
 
     base      ray_ple.{base, errors, log, config, tiny_model}
     protocol  ray_ple.protocol.*          (imports nothing of ray_ple but base)
-    testing   ray_ple.testing.*           (fault hooks and timestamps the sides call)
+    instrument ray_ple.instrument.*       (fault hooks and timestamps the sides call)
     sides     ray_ple.offload.*, ray_ple.worker.*   (never each other)
     plan      ray_ple.supervision.*, ray_ple.engine_plan
     entry     ray_ple.serve.*, ray_ple.offline
@@ -23,14 +23,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ray_ple"
-LAYERS = ["base", "protocol", "testing", "sides", "plan", "entry", "tools"]
+LAYERS = ["base", "protocol", "instrument", "sides", "plan", "entry", "tools"]
 
 
 def layer_of(module: str) -> tuple[int, str]:
     """(rank, room) of a ray_ple module; the room tells the two sides apart."""
     parts = module.split(".")
     head = parts[1] if len(parts) > 1 else ""
-    room = {"testing": "testing", "protocol": "protocol", "offload": "offload",
+    room = {"instrument": "instrument", "protocol": "protocol", "offload": "offload",
             "worker": "worker", "supervision": "supervision", "engine_plan": "supervision",
             "serve": "serve", "offline": "serve", "tools": "tools"}.get(head, "base")
     name = {"offload": "sides", "worker": "sides", "supervision": "plan", "serve": "entry",
@@ -53,7 +53,7 @@ def ray_ple_imports(path: Path) -> list[tuple[str, int]]:
             out += [(a.name, node.lineno) for a in node.names if a.name.startswith("ray_ple")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.startswith("ray_ple"):
-                for a in node.names:  # `from ray_ple.testing import faults` imports a module
+                for a in node.names:  # `from ray_ple.instrument import faults` imports a module
                     sub = f"{node.module}.{a.name}"
                     is_mod = (PKG.parent / sub.replace(".", "/")).with_suffix(".py").exists() \
                         or (PKG.parent / sub.replace(".", "/")).is_dir()

@@ -28,7 +28,7 @@ from ray_ple.protocol.layout import ControlBlock, PairLayout, Side, State
 from ray_ple.protocol.shm import SharedSegment, sweep_orphans
 from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import OffloadEnd, wait_until
-from ray_ple.testing import faults, timing
+from ray_ple.instrument import faults, timing
 
 
 class OffloadSpec(Frozen):

@@ -29,7 +29,7 @@ from ray_ple.protocol.handles import (
 from ray_ple.protocol.layout import ControlBlock, Side, State
 from ray_ple.protocol.shm import SharedSegment
 from ray_ple.protocol.transaction import Phase, WorkerEnd, stale_heartbeat
-from ray_ple.testing import faults, timing
+from ray_ple.instrument import faults, timing
 from ray_ple.worker.transport import STREAM_POSTING, make_transport
 
 
