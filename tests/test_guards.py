@@ -24,8 +24,8 @@ from ray_ple.protocol.fatal import Reason
 from ray_ple.protocol.handles import PairHandle
 from ray_ple.protocol.layout import MAX_SLOTS, ControlBlock, PairLayout, State
 from ray_ple.protocol.shm import PAGE, SEALS, SharedSegment
-from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import OffloadEnd, invariant_violation, went_back
+from ray_ple.table_source import TableSource
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 from tests.test_squatter import NOBODY, _held_memfds, _mapped_memfds, _names, _serve, squatter
@@ -916,8 +916,8 @@ def test_an_engine_without_ray_ples_settings_is_one_config_error():
     """`PleEngineSettings.from_additional_config`: an engine started without the builder's
     `additional_config` entry is told to start through the builder, not a validation error
     of None."""
+    from ray_ple.engine_settings import PleEngineSettings
     from ray_ple.errors import PleConfigError
-    from ray_ple.protocol.engine_settings import PleEngineSettings
 
     for additional in (None, {}, {"other": 1}):
         with pytest.raises(PleConfigError, match="start it through ray_ple's builder"):

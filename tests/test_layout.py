@@ -4,6 +4,8 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
 
     base      ray_ple.{base, errors, log, config, tiny_model}
     protocol  ray_ple.protocol.*          (imports nothing of ray_ple but base)
+    contract  ray_ple.{engine_settings, table_source}   (what the plan hands each side: the
+              engine's settings reach the worker, the table's source the offload actor)
     instrument ray_ple.instrument.*       (fault hooks and timestamps the sides call)
     sides     ray_ple.offload.*, ray_ple.worker.*   (never each other)
     plan      ray_ple.supervision.*, ray_ple.engine_plan
@@ -23,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ray_ple"
-LAYERS = ["base", "protocol", "instrument", "sides", "plan", "entry", "tools"]
+LAYERS = ["base", "protocol", "contract", "instrument", "sides", "plan", "entry", "tools"]
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -32,7 +34,8 @@ def layer_of(module: str) -> tuple[int, str]:
     head = parts[1] if len(parts) > 1 else ""
     room = {"instrument": "instrument", "protocol": "protocol", "offload": "offload",
             "worker": "worker", "supervision": "supervision", "engine_plan": "supervision",
-            "serve": "serve", "offline": "serve", "tools": "tools"}.get(head, "base")
+            "serve": "serve", "offline": "serve", "tools": "tools",
+            "engine_settings": "contract", "table_source": "contract"}.get(head, "base")
     name = {"offload": "sides", "worker": "sides", "supervision": "plan", "serve": "entry",
             }.get(room, room)
     return LAYERS.index(name), room

@@ -32,7 +32,7 @@ from ray_ple.offload.table_store import (
 )
 from ray_ple.protocol.doorbell import Doorbell, DoorbellListener, bell_address
 from ray_ple.protocol.shm import PAGE, SEALS, shmem_bytes
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.table_source import TableSource
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, write_checkpoint
 

@@ -174,8 +174,8 @@ def engine_main(spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
 
     from ray_ple.config import PleConfig
-    from ray_ple.offline import offloaded_llm
     from ray_ple.instrument import timing
+    from ray_ple.offline import offloaded_llm
 
     how = SIDES[spec["side"]]
     if how["offload"]:

@@ -37,7 +37,7 @@ from ray_ple.log import Progress, log_event
 from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
 from ray_ple.protocol.peers import name_holder, peer_cred, require_same_uid
 from ray_ple.protocol.shm import PAGE, SharedSegment, check_sealed, page_align, segment_size
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.table_source import TableSource
 
 _HDR = struct.Struct("<QIIQQ32s")  # magic, version, ready, rows, row_bytes, fingerprint
 _MAGIC = 0x31424154454C5052  # "RPLETAB1"
