@@ -1,6 +1,6 @@
 """The node's one read-only host copy of each PLE table, shared by every offload actor.
 
-The copy is a sealed `SharedSegment` (a nameless memfd, freed by the kernel with its last
+The copy is a sealed `TableSegment` (a nameless memfd, freed by the kernel with its last
 holder, so a crash cannot leak it; written once, then sealed against writes and resizes and
 mapped read-only by every holder). Holders find each other through an abstract Unix socket
 named after the table's fingerprint (`broker_name`): the first to bind it listens at once,
@@ -34,9 +34,10 @@ from pydantic import BaseModel, ConfigDict
 from ray_ple.config import HugePages
 from ray_ple.errors import PleEnvironmentError, PleModelError, PleShmError
 from ray_ple.log import Progress, log_event
+from ray_ple.offload.table_segment import TableSegment, check_sealed, segment_size
 from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
 from ray_ple.protocol.peers import name_holder, peer_cred, require_same_uid
-from ray_ple.protocol.shm import PAGE, SharedSegment, check_sealed, page_align, segment_size
+from ray_ple.protocol.shm import PAGE, page_align
 from ray_ple.table_source import TableSource
 
 _HDR = struct.Struct("<QIIQQ32s")  # magic, version, ready, rows, row_bytes, fingerprint
@@ -160,7 +161,7 @@ def broker_name(fp: str) -> bytes:
     return f"\0ray-ple-table-{os.getuid()}-{fp}".encode()
 
 
-def want_huge_pages(seg: SharedSegment) -> bool:
+def want_huge_pages(seg: TableSegment) -> bool:
     """Ask for transparent huge pages on a table mapping; False where the host refuses.
 
     A random row of E4B (21,504 B) touches six 4 KiB pages, each a TLB miss on a large
@@ -191,7 +192,7 @@ def fingerprint(loc: TensorLocation, layer: LayerGeometry,
 class NodeTable:
     """This process's hold on the node table: a read-only (rows, row_bytes) view."""
 
-    def __init__(self, segment: SharedSegment, layer: LayerGeometry, fp: str,
+    def __init__(self, segment: TableSegment, layer: LayerGeometry, fp: str,
                  listener: socket.socket | None, name: bytes) -> None:
         self.segment, self.layer, self.fingerprint = segment, layer, fp
         self.huge_pages = segment.hugetlb or want_huge_pages(segment)
@@ -252,7 +253,7 @@ def _try_bind(name: bytes) -> socket.socket | None:
         raise
 
 
-def _receive(name: bytes, fp: str, size: int, deadline: float) -> SharedSegment | None:
+def _receive(name: bytes, fp: str, size: int, deadline: float) -> TableSegment | None:
     """The holder's segment, mapped read-only once the broker and the fd pass every check;
     None while no one serves it yet. Raises ConnectionRefusedError if the name is bound but
     no one listens (see `acquire_table`)."""
@@ -280,19 +281,19 @@ def _receive(name: bytes, fp: str, size: int, deadline: float) -> SharedSegment 
         if meta.get("fingerprint") != fp:
             raise PleModelError(f"{what}: the broker serves table {meta.get('fingerprint')}")
         check_sealed(fds[0], size, f"{what} served by pid {pid}")
-        return SharedSegment(fds[0], segment_size(fds[0], size), str(meta.get("token", "")),
+        return TableSegment(fds[0], segment_size(fds[0], size), str(meta.get("token", "")),
                              owner=False, writable=False)
     except BaseException:
         os.close(fds[0])
         raise
 
 
-def _header(seg: SharedSegment) -> tuple[int, int, int, int, int, str]:
+def _header(seg: TableSegment) -> tuple[int, int, int, int, int, str]:
     magic, version, ready, rows, row_bytes, fp = _HDR.unpack_from(seg.map, 0)
     return magic, version, ready, rows, row_bytes, fp.hex()
 
 
-def _load(seg: SharedSegment, table: TableFile, layer: LayerGeometry, fp: str) -> None:
+def _load(seg: TableSegment, table: TableFile, layer: LayerGeometry, fp: str) -> None:
     """Read the rows into `seg` through the file's one fd, then refuse them if the file
     changed since it was opened (`TableFile.check_unchanged`)."""
     loc = table.loc
@@ -387,19 +388,19 @@ def _acquire(table: TableFile, source: TableSource, shm_dir: str, deadline_s: fl
 
 
 def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
-                   fp: str) -> SharedSegment:
+                   fp: str) -> TableSegment:
     """The loader's new segment: on the hugetlb pool where `huge_pages` asks and the pool
     holds it (a step's first gather is bound by memory latency, and 2 MiB pages take most of
     its page walks away: 3-18% on the H200 host, bench/cuda/results/late-run17/hugetlb), else 4 KiB
     shmem pages as before; "require" makes a short pool the one error."""
     if huge_pages != "off":
         try:
-            return SharedSegment.create("table", size, shm_dir, sealable=True, huge=True)
+            return TableSegment.create("table", size, shm_dir, huge=True)
         except PleShmError as exc:  # a short pool is refused before a page is taken
             if huge_pages == "require":
                 raise
             log_event("table_huge_pages", fingerprint=fp[:12], used=False, reason=str(exc))
-    return SharedSegment.create("table", size, shm_dir, sealable=True)
+    return TableSegment.create("table", size, shm_dir)
 
 
 def _load_and_serve(listener: socket.socket, name: bytes, table: TableFile,

@@ -295,7 +295,8 @@ def check_host_memory(args: DoctorArgs) -> Check:
 def check_huge_pages(args: DoctorArgs) -> Check:
     """Where `ple.huge_pages: auto` will put the table segment (header page + rows, the
     bytes the pod was sized for): never a failure, 4 KiB pages work everywhere."""
-    from ray_ple.protocol.shm import huge_page_size, hugetlb_room, page_align
+    from ray_ple.offload.table_segment import huge_page_size, hugetlb_room
+    from ray_ple.protocol.shm import page_align
 
     page = huge_page_size()
     room, where = hugetlb_room()
