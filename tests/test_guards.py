@@ -747,7 +747,7 @@ def test_a_wait_ends_at_its_timeout_under_a_flood_from_another_uid():
 
 
 def test_a_checkpoint_whose_table_is_not_the_configs_shape_is_refused(tmp_path):
-    """`_check_shape`: a PLE tensor of another shape than the model config implies (here one
+    """`check_shape`: a PLE tensor of another shape than the model config implies (here one
     row more than `vocab_size_per_layer_input`) is one `PleModelError`: rows read at the
     config's stride from it would be other tokens' rows."""
     import json
@@ -783,7 +783,7 @@ def test_huge_pages_are_not_asked_for_where_python_cannot_ask(monkeypatch):
 
 
 def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
-    """`_load`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
+    """`load_rows`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
     `PleModelError` naming it, never a table whose last rows are zeros (or a load that
     spins on a read of nothing)."""
     ckpt = tmp_path / "ckpt"
@@ -801,7 +801,7 @@ def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
 
 
 def test_a_broker_that_sends_no_fd_is_waited_out_not_a_crash(source):
-    """`_receive`: a broker of our own user whose answer carries no fd (a holder going away,
+    """`receive_table`: a broker of our own user whose answer carries no fd (a holder going away,
     or one that is not a holder) is "not served yet": the wait goes on to its deadline's one
     error, never an `IndexError`."""
     import json
@@ -834,7 +834,7 @@ def test_the_table_broker_hands_its_fd_to_no_other_uid(tmp_path):
     another uid is let go without the table's fd (it would map our rows read-only)."""
     import socket
 
-    from ray_ple.offload.table_store import broker_name
+    from ray_ple.offload.table_broker import broker_name
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
@@ -917,7 +917,7 @@ def test_an_engine_without_ray_ples_settings_is_one_config_error():
 
 
 def test_a_broker_that_says_it_serves_another_table_is_refused(source):
-    """`_receive`: the broker's answer names the table it serves; one that names another
+    """`receive_table`: the broker's answer names the table it serves; one that names another
     fingerprint than the one asked for is refused before its fd is checked or mapped,
     whatever that fd holds."""
     fp, name, size = _names(source)

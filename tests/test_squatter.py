@@ -21,16 +21,10 @@ import psutil
 import pytest
 
 from ray_ple.errors import PleEnvironmentError, PleShmError
+from ray_ple.offload.table_broker import broker_name
+from ray_ple.offload.table_file import fingerprint, locate_tensor
 from ray_ple.offload.table_segment import SEALS
-from ray_ple.offload.table_store import (
-    _HDR,
-    _MAGIC,
-    acquire_table,
-    broker_name,
-    fingerprint,
-    locate_tensor,
-    table_segment_size,
-)
+from ray_ple.offload.table_store import _HDR, _MAGIC, acquire_table, table_segment_size
 from ray_ple.protocol.doorbell import Doorbell, DoorbellListener, bell_address
 from ray_ple.protocol.shm import PAGE
 from ray_ple.table_source import TableSource

@@ -11,15 +11,10 @@ import numpy as np
 import pytest
 
 from ray_ple.errors import PleModelError
+from ray_ple.offload.table_broker import broker_name
+from ray_ple.offload.table_file import TableFile, fingerprint, load_rows, locate_tensor
 from ray_ple.offload.table_segment import TableSegment
-from ray_ple.offload.table_store import (
-    TableFile,
-    _load,
-    acquire_table,
-    broker_name,
-    fingerprint,
-    locate_tensor,
-)
+from ray_ple.offload.table_store import acquire_table
 from ray_ple.protocol.peers import name_holder
 from ray_ple.protocol.shm import PAGE, SharedSegment
 from tests.leftovers import hugetlb_pool, ple_shm_entries, shmem_bytes
@@ -264,11 +259,11 @@ def _two_checkpoints(tmp_path) -> tuple:
 
 
 def _load_into_segment(table: TableFile, source) -> np.ndarray:  # noqa: ANN001
-    """The loader's own steps after the fingerprint: a new segment, `_load` through the fd."""
+    """The loader's own steps after the fingerprint: a new segment, `load_rows` through the fd."""
     layer = source.layer
     seg = TableSegment.create("table", PAGE + layer.table_bytes)
     try:
-        _load(seg, table, layer, table.fingerprint(layer))
+        load_rows(seg, table, layer, table.fingerprint(layer))
         return np.ndarray((layer.rows, layer.row_bytes), np.uint8, seg.map, PAGE).copy()
     finally:
         seg.close()
