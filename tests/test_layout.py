@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,55 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
         assert any("_layout_probe" in v and "offload.actor" in v for v in violations())
     finally:
         fake.unlink()
+
+
+def readme_map(text: str) -> set[str]:
+    """The files the README's map ("Where things are") names, as paths from the root: each
+    row's folder joined with every `name.py` of its other cells."""
+    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        folder = re.fullmatch(r"`(ray_ple/[\w/]*?)(?:\*\.py)?`", cells[0])
+        if folder:
+            named |= {folder[1] + name for cell in cells[1:]
+                      for name in re.findall(r"`([\w/]+\.py)`", cell)}
+    return named
+
+
+def map_mismatch(text: str) -> tuple[list[str], list[str]]:
+    """(files of ray_ple/ the map leaves out, files it names that do not exist); a folder's
+    `__init__.py` may be left out."""
+    on_disk = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}
+    named = readme_map(text)
+    return (sorted(f for f in on_disk - named if not f.endswith("/__init__.py")),
+            sorted(named - on_disk))
+
+
+def test_the_readme_map_names_every_file_and_no_other():
+    missing, absent = map_mismatch((ROOT / "README.md").read_text())
+    assert (missing, absent) == ([], []), f"not in the map: {missing}; no such file: {absent}"
+
+
+def test_the_map_check_catches_a_file_left_out_and_a_file_gone(tmp_path):
+    """The checker itself can fail: a new module the map omits, a name with no file."""
+    text = (ROOT / "README.md").read_text().replace(
+        "`fatal.py` (`Reason`, the one way down)", "`fatal.py`, `gone.py`")
+    fake = PKG / "protocol" / "_map_probe.py"
+    fake.write_text("")
+    try:
+        missing, absent = map_mismatch(text)
+    finally:
+        fake.unlink()
+    assert (missing, absent) == (["ray_ple/protocol/_map_probe.py"], ["ray_ple/protocol/gone.py"])
+
+
+def test_the_package_docstring_names_every_folder_and_top_level_module():
+    import ray_ple
+
+    names = [f"{p.name}/" for p in PKG.iterdir() if (p / "__init__.py").exists()]
+    names += [f"`{p.stem}`" for p in PKG.glob("*.py") if p.stem != "__init__"]
+    assert [n for n in names if n not in ray_ple.__doc__] == []
 
 
 def test_top_level_stays_small():
