@@ -9,11 +9,13 @@ Two sides per engine worker, one supervisor per replica (DESIGN.md sections 2-5)
     supervision/  one supervisor per replica: builds the offload actors, watches, ends
     serve/        `serve run` (builder -> server), on Ray Serve LLM
     tools/        the `ray-ple` CLI: doctor, install check, KubeRay manifests
-    testing/      test-only fault cut points and benchmark timestamps, inert by default
+    instrument/   fault cut points and benchmark timestamps the sides call, inert by default
 
 Beside them: `config` (the `ple:` block), `errors` (every user-facing error), `log` (one line
 per event), `base` (the frozen model every boundary uses), `engine_plan` (checkpoint + `ple:`
--> engine arguments), `offline` (`vllm.LLM` with its offload actors), `tiny_model` (the
-embedded default checkpoint). Imports run one way: protocol <- offload, worker <- supervision
-<- serve; tools load the rest lazily (tests/test_layout.py enforces it).
+-> engine arguments) with what it hands each side, `engine_settings` (to the worker, through
+vLLM) and `table_source` (to the offload actor), `offline` (`vllm.LLM` with its offload
+actors), `tiny_model` (the embedded default checkpoint). Imports run one way: protocol <-
+offload, worker <- supervision <- serve; tools load the rest lazily (tests/test_layout.py
+enforces it; README.md's map lists every file).
 """

@@ -39,11 +39,14 @@ class PleDeadlines(Frozen):
 
 
 class SupervisorConfig(Frozen):
-    """How often the supervisor looks; detection latency is bounded by these."""
+    """How often the supervisor looks; detection latency is bounded by these. Advanced: tests
+    set them to place a fault; a served model keeps the defaults."""
 
     model_config = _STRICT
-    poll_interval_s: float = Field(0.02, gt=0, le=5)
-    heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
+    poll_interval_s: float = Field(0.02, gt=0, le=5, description="advanced: how often the "
+                                   "supervisor reads each pair's counters")
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=5, description="advanced: how often "
+                                        "each side beats")
 
 
 class PleConfig(Frozen):
@@ -55,8 +58,9 @@ class PleConfig(Frozen):
         "auto", description="auto: cuda where the engine has GPUs, else cpu"
     )
     post: Literal["auto", "host", "stream"] = Field(
-        "auto", description="who posts a step: the host before the forward (needs the ids on "
-        "the host, so vLLM's async scheduling is turned off on CUDA), or the GPU stream itself "
+        "auto", description="advanced (benchmarks compare the two): who posts a step: the "
+        "host before the forward (needs the ids on the host, so vLLM's async scheduling is "
+        "turned off on CUDA), or the GPU stream itself "
         "(a kernel before the forward reads the model's input ids; the host never waits and "
         "async scheduling stays as configured; the offload actor spins from the announcement "
         "to the post). auto: stream where vLLM runs the cuda transport with async scheduling "
@@ -70,9 +74,9 @@ class PleConfig(Frozen):
                         Field(min_length=1, max_length=128)]) = Field(
         "auto", description="slots per table row, each of consecutive layers with its own "
         "flag, waited for at its first layer (late waits), covering the offloaded layers (the "
-        "model's, less `resident_layers`): n parts as even as can be, or a list of layers per "
-        "part in order (adding up to the offloaded layers); auto: one part up to 6 layers, "
-        "above parts of 1, 2, 4, ... layers and the rest; 1: all of them at once"
+        "model's, less `resident_layers`): n parts as even as can be, or (advanced) a list of "
+        "layers per part in order (adding up to the offloaded layers); auto: one part up to 6 "
+        "layers, above parts of 1, 2, 4, ... layers and the rest; 1: all of them at once"
     )
     resident_layers: Annotated[int, Field(ge=0, le=128)] | Literal["auto"] = Field(
         "auto", description="first layers whose PLE columns the worker keeps in its own "
@@ -83,8 +87,9 @@ class PleConfig(Frozen):
         "bench/cuda/results/late-run19/resident), 0 on cpu, for Gemma 3n and for a one-layer model"
     )
     offload_spin_us: float = Field(
-        0.0, ge=0, le=1e6, description="offload actor spins this long on `posted` before it "
-        "blocks on the doorbell (GPU decode latency; costs a core while it spins)"
+        0.0, ge=0, le=1e6, description="advanced: the offload actor spins this long on "
+        "`posted` before it blocks on the doorbell (GPU decode latency; costs a core while it "
+        "spins)"
     )
     shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
     huge_pages: HugePages = Field(
@@ -101,7 +106,8 @@ class PleConfig(Frozen):
         None, gt=0, description="slot rows; defaults to the engine's max_num_batched_tokens"
     )
     deadlines: PleDeadlines = PleDeadlines()
-    supervisor: SupervisorConfig = SupervisorConfig()
+    supervisor: SupervisorConfig = Field(SupervisorConfig(), description="advanced: see "
+                                         "`SupervisorConfig`")
 
     @field_validator("parts", mode="before")
     @classmethod

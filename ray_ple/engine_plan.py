@@ -9,15 +9,15 @@ from typing import Any
 
 from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
+from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import (
     ARCHITECTURES,
     PleGeometry,
     geometry_from_config,
     read_hf_config,
 )
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.table_source import TableSource
 
 DEFAULT_MAX_TOKENS = 8192
 # vLLM's `worker_cls` per transport, by name: the plan never imports vLLM's worker modules

@@ -48,14 +48,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("ray_ple/protocol", "ray_ple/offload", "ray_ple/worker/pair.py")
+TARGETS = ("ray_ple/protocol", "ray_ple/engine_settings.py", "ray_ple/table_source.py",
+           "ray_ple/offload", "ray_ple/worker/pair.py")
 # The order of the pass where it cannot all run: the modules the issue names first.
 PRIORITY = ("ray_ple/protocol/transaction.py", "ray_ple/protocol/layout.py",
             "ray_ple/protocol/handles.py", "ray_ple/protocol/geometry.py",
-            "ray_ple/protocol/shm.py", "ray_ple/protocol/peers.py",
-            "ray_ple/protocol/doorbell.py", "ray_ple/offload/table_store.py",
-            "ray_ple/offload/actor.py", "ray_ple/offload/gather.py",
-            "ray_ple/offload/cuda_guard.py", "ray_ple/worker/pair.py")
+            "ray_ple/protocol/shm.py", "ray_ple/offload/table_segment.py",
+            "ray_ple/protocol/peers.py", "ray_ple/protocol/doorbell.py",
+            "ray_ple/offload/table_store.py", "ray_ple/offload/table_broker.py",
+            "ray_ple/offload/table_file.py", "ray_ple/offload/actor.py",
+            "ray_ple/offload/gather.py", "ray_ple/offload/cuda_guard.py", "ray_ple/worker/pair.py")
 FAIL_CALLS = {"fail", "fail_closed", "abandon", "mark_failed", "_fail", "Failure"}
 FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
         ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
@@ -110,8 +112,8 @@ EQUIVALENT: dict[str, str] = {
         "harmless: the same PleShmError either way, only its wording differs ('too small' "
         "or 'cannot reserve'); ENOSPC from posix_fallocate cannot be placed on this node's "
         "/dev/shm without filling it for every other process",
-    "ray_ple/protocol/shm.py:SharedSegment._create_huge: room < size -> False and (room < "
-    "size)":
+    "ray_ple/offload/table_segment.py:TableSegment._create_huge: room < size -> False and "
+    "(room < size)":
         "harmless: posix_fallocate on an empty hugetlb pool then fails with ENOSPC, raised "
         "as the same PleShmError ('the host's hugetlb pool cannot hold'); the check only "
         "avoids zeroing every free huge page in vain (and this node has no hugetlb pool to "
@@ -121,7 +123,7 @@ EQUIVALENT: dict[str, str] = {
         "harmless: the same PleShmError either way, only its wording differs ('too small' "
         "or 'cannot reserve'); a failing posix_fallocate cannot be placed on this node's "
         "/dev/shm without filling it for every other process",
-    "ray_ple/protocol/shm.py:SharedSegment.seal: time.monotonic() < deadline -> "
+    "ray_ple/offload/table_segment.py:TableSegment.seal: time.monotonic() < deadline -> "
     "time.monotonic() <= deadline":
         "the two differ only when time.monotonic() returns exactly the deadline (a float "
         "sum): one more 50 ms retry at that instant; no test can place it",
@@ -142,7 +144,7 @@ EQUIVALENT: dict[str, str] = {
     "ray_ple/worker/pair.py:WorkerPair._transaction: faults.ACTIVE and "
     "faults.hit(\"worker.raise_after_post\", w.rank) -> False and (faults.ACTIVE and "
     "faults.hit('worker.raise_after_post', w.rank))":
-        "not a guard but a fault-injection hook (ray_ple.testing.faults), inert unless a "
+        "not a guard but a fault-injection hook (ray_ple.instrument.faults), inert unless a "
         "fault plan is armed; its fault (an exception after the post) is the slow fault "
         "suite's (tests/test_faults.py, real engines), which this pass does not run",
     "ray_ple/offload/table_store.py:_acquire: uid is not None or seen_long -> uid is not "

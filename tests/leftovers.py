@@ -13,8 +13,6 @@ from typing import NamedTuple
 
 import psutil
 
-from ray_ple.protocol.shm import shmem_bytes
-
 # Tolerance for `Footprint.nameless_shmem` coming back to its level after a replica ends.
 # Other processes on the machine (concurrent vLLM engines of other test runs, other Ray
 # clusters) move Shmem by hundreds of MiB at a time; most of that is named (vLLM's message
@@ -52,6 +50,12 @@ def meminfo(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def shmem_bytes() -> int:
+    """Shared memory in use system-wide (/proc/meminfo Shmem). Segments have no name once set
+    up, so this, not /dev/shm, is where a second table copy or a leaked segment shows."""
+    return meminfo("Shmem")
 
 
 def meminfo_count(key: str) -> int:

@@ -29,6 +29,7 @@ from ray.cluster_utils import Cluster
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from ray_ple.instrument import faults
 from ray_ple.supervision.engine_leftovers import (
     SHM_DIR,
     files_of,
@@ -37,7 +38,6 @@ from ray_ple.supervision.engine_leftovers import (
     remove_unused,
 )
 from ray_ple.supervision.supervisor import read_verdicts
-from ray_ple.testing import faults
 from tests.faultrig import (
     PROMPTS,
     Clients,

@@ -19,13 +19,14 @@ import pytest
 
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleEnvironmentError, PleHandleError, PleModelError, PleShmError
+from ray_ple.offload.table_segment import SEALS, TableSegment
 from ray_ple.offload.table_store import _HDR, _MAGIC, acquire_table
 from ray_ple.protocol.fatal import Reason
 from ray_ple.protocol.handles import PairHandle
 from ray_ple.protocol.layout import MAX_SLOTS, ControlBlock, PairLayout, State
-from ray_ple.protocol.shm import PAGE, SEALS, SharedSegment
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.protocol.shm import PAGE, SharedSegment
 from ray_ple.protocol.transaction import OffloadEnd, invariant_violation, went_back
+from ray_ple.table_source import TableSource
 from tests.leftovers import ple_shm_entries
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 from tests.test_squatter import NOBODY, _held_memfds, _mapped_memfds, _names, _serve, squatter
@@ -581,7 +582,7 @@ def test_a_handed_over_fd_is_refused_unless_a_sealed_private_file_of_the_size():
     """`check_sealed`: what a peer hands over must be a regular private file (not a pipe,
     whose mode is 0600 too), of exactly the size this side computed, sealed against writes
     and resizes; each is its own `PleShmError`, and the right one passes."""
-    from ray_ple.protocol.shm import check_sealed
+    from ray_ple.offload.table_segment import check_sealed
 
     good = _memfd(PAGE, sealed=True)
     r, w = os.pipe()
@@ -606,29 +607,18 @@ def test_a_segment_in_a_missing_directory_is_one_shm_error(tmp_path):
         SharedSegment.create("pair", PAGE, str(tmp_path / "nope"))
 
 
-def test_no_shmem_line_is_one_clear_error(monkeypatch):
-    """`shmem_bytes`: a kernel whose /proc/meminfo has no Shmem line is one error that says
-    so, not a `TypeError` from arithmetic on None."""
-    from ray_ple.protocol import shm
-
-    assert shm.shmem_bytes() >= 0
-    monkeypatch.setattr(shm, "_meminfo", lambda: {})
-    with pytest.raises(RuntimeError, match="no Shmem"):
-        shm.shmem_bytes()
-
-
 def test_sealing_waits_out_a_transient_pin_then_gives_up(monkeypatch):
-    """`SharedSegment.seal`: the kernel refuses the write seal (EBUSY) while a writable
+    """`TableSegment.seal`: the kernel refuses the write seal (EBUSY) while a writable
     mapping of the file exists; a pin that goes within `SEAL_WAIT_S` is waited out, one
     that stays is one `PleShmError` at the deadline (not a wait forever), and an fd that
     cannot be sealed at all fails at once."""
     import mmap
     import threading
 
-    from ray_ple.protocol import shm
+    from ray_ple.offload import table_segment
 
-    monkeypatch.setattr(shm, "SEAL_WAIT_S", 1.0)
-    seg = SharedSegment.create("guard", PAGE, sealable=True)
+    monkeypatch.setattr(table_segment, "SEAL_WAIT_S", 1.0)
+    seg = TableSegment.create("guard", PAGE)
     pin = mmap.mmap(seg.fd, PAGE)  # a second writable mapping: EBUSY until it goes
     timer = threading.Timer(0.3, pin.close)
     timer.start()
@@ -638,7 +628,7 @@ def test_sealing_waits_out_a_transient_pin_then_gives_up(monkeypatch):
     finally:
         timer.join()
         seg.close()
-    seg = SharedSegment.create("guard", PAGE, sealable=True)
+    seg = TableSegment.create("guard", PAGE)
     pin = mmap.mmap(seg.fd, PAGE)
     try:
         t0 = time.monotonic()
@@ -648,7 +638,9 @@ def test_sealing_waits_out_a_transient_pin_then_gives_up(monkeypatch):
     finally:
         pin.close()
         seg.close()
-    seg = SharedSegment.create("guard", PAGE)  # a tmpfs file, no seals at all
+    tmpfs = SharedSegment.create("guard", PAGE)  # a tmpfs file, no seals at all
+    seg = TableSegment(os.dup(tmpfs.fd), tmpfs.size, tmpfs.token, owner=False)
+    tmpfs.close()
     try:
         t0 = time.monotonic()
         with pytest.raises(PleShmError, match="cannot seal"):
@@ -683,18 +675,18 @@ def test_an_idle_offload_side_with_its_last_step_released_waits_without_a_deadli
 
 
 def test_a_huge_segment_on_a_host_without_hugetlb_is_one_shm_error(monkeypatch):
-    """`SharedSegment._create_huge`: a host with no huge page size (or a Python without
+    """`TableSegment._create_huge`: a host with no huge page size (or a Python without
     `MFD_HUGETLB`) is one `PleShmError` saying so, not a division by a zero page size or
     a missing attribute."""
-    from ray_ple.protocol import shm
+    from ray_ple.offload import table_segment
 
-    monkeypatch.setattr(shm, "huge_page_size", lambda: 0)
+    monkeypatch.setattr(table_segment, "huge_page_size", lambda: 0)
     with pytest.raises(PleShmError, match="no hugetlb pages"):
-        SharedSegment.create("table", PAGE, huge=True)
-    monkeypatch.setattr(shm, "huge_page_size", lambda: 2 << 20)
+        TableSegment.create("table", PAGE, huge=True)
+    monkeypatch.setattr(table_segment, "huge_page_size", lambda: 2 << 20)
     monkeypatch.delattr(os, "MFD_HUGETLB", raising=False)
     with pytest.raises(PleShmError, match="no hugetlb pages"):
-        SharedSegment.create("table", PAGE, huge=True)
+        TableSegment.create("table", PAGE, huge=True)
 
 
 def test_a_segment_where_o_tmpfile_is_unsupported_falls_back_to_a_name_unlinked_at_once(
@@ -755,7 +747,7 @@ def test_a_wait_ends_at_its_timeout_under_a_flood_from_another_uid():
 
 
 def test_a_checkpoint_whose_table_is_not_the_configs_shape_is_refused(tmp_path):
-    """`_check_shape`: a PLE tensor of another shape than the model config implies (here one
+    """`check_shape`: a PLE tensor of another shape than the model config implies (here one
     row more than `vocab_size_per_layer_input`) is one `PleModelError`: rows read at the
     config's stride from it would be other tokens' rows."""
     import json
@@ -781,7 +773,7 @@ def test_huge_pages_are_not_asked_for_where_python_cannot_ask(monkeypatch):
 
     from ray_ple.offload.table_store import want_huge_pages
 
-    seg = SharedSegment.create("table", PAGE)
+    seg = TableSegment.create("table", PAGE)
     try:
         assert want_huge_pages(seg) in (True, False)
         monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
@@ -791,7 +783,7 @@ def test_huge_pages_are_not_asked_for_where_python_cannot_ask(monkeypatch):
 
 
 def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
-    """`_load`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
+    """`load_rows`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
     `PleModelError` naming it, never a table whose last rows are zeros (or a load that
     spins on a read of nothing)."""
     ckpt = tmp_path / "ckpt"
@@ -809,7 +801,7 @@ def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
 
 
 def test_a_broker_that_sends_no_fd_is_waited_out_not_a_crash(source):
-    """`_receive`: a broker of our own user whose answer carries no fd (a holder going away,
+    """`receive_table`: a broker of our own user whose answer carries no fd (a holder going away,
     or one that is not a holder) is "not served yet": the wait goes on to its deadline's one
     error, never an `IndexError`."""
     import json
@@ -842,7 +834,7 @@ def test_the_table_broker_hands_its_fd_to_no_other_uid(tmp_path):
     another uid is let go without the table's fd (it would map our rows read-only)."""
     import socket
 
-    from ray_ple.offload.table_store import broker_name
+    from ray_ple.offload.table_broker import broker_name
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
@@ -916,8 +908,8 @@ def test_an_engine_without_ray_ples_settings_is_one_config_error():
     """`PleEngineSettings.from_additional_config`: an engine started without the builder's
     `additional_config` entry is told to start through the builder, not a validation error
     of None."""
+    from ray_ple.engine_settings import PleEngineSettings
     from ray_ple.errors import PleConfigError
-    from ray_ple.protocol.engine_settings import PleEngineSettings
 
     for additional in (None, {}, {"other": 1}):
         with pytest.raises(PleConfigError, match="start it through ray_ple's builder"):
@@ -925,7 +917,7 @@ def test_an_engine_without_ray_ples_settings_is_one_config_error():
 
 
 def test_a_broker_that_says_it_serves_another_table_is_refused(source):
-    """`_receive`: the broker's answer names the table it serves; one that names another
+    """`receive_table`: the broker's answer names the table it serves; one that names another
     fingerprint than the one asked for is refused before its fd is checked or mapped,
     whatever that fd holds."""
     fp, name, size = _names(source)

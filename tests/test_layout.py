@@ -4,7 +4,9 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
 
     base      ray_ple.{base, errors, log, config, tiny_model}
     protocol  ray_ple.protocol.*          (imports nothing of ray_ple but base)
-    testing   ray_ple.testing.*           (fault hooks and timestamps the sides call)
+    contract  ray_ple.{engine_settings, table_source}   (what the plan hands each side: the
+              engine's settings reach the worker, the table's source the offload actor)
+    instrument ray_ple.instrument.*       (fault hooks and timestamps the sides call)
     sides     ray_ple.offload.*, ray_ple.worker.*   (never each other)
     plan      ray_ple.supervision.*, ray_ple.engine_plan
     entry     ray_ple.serve.*, ray_ple.offline
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +26,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ray_ple"
-LAYERS = ["base", "protocol", "testing", "sides", "plan", "entry", "tools"]
+LAYERS = ["base", "protocol", "contract", "instrument", "sides", "plan", "entry", "tools"]
 
 
 def layer_of(module: str) -> tuple[int, str]:
     """(rank, room) of a ray_ple module; the room tells the two sides apart."""
     parts = module.split(".")
     head = parts[1] if len(parts) > 1 else ""
-    room = {"testing": "testing", "protocol": "protocol", "offload": "offload",
+    room = {"instrument": "instrument", "protocol": "protocol", "offload": "offload",
             "worker": "worker", "supervision": "supervision", "engine_plan": "supervision",
-            "serve": "serve", "offline": "serve", "tools": "tools"}.get(head, "base")
+            "serve": "serve", "offline": "serve", "tools": "tools",
+            "engine_settings": "contract", "table_source": "contract"}.get(head, "base")
     name = {"offload": "sides", "worker": "sides", "supervision": "plan", "serve": "entry",
             }.get(room, room)
     return LAYERS.index(name), room
@@ -53,7 +57,7 @@ def ray_ple_imports(path: Path) -> list[tuple[str, int]]:
             out += [(a.name, node.lineno) for a in node.names if a.name.startswith("ray_ple")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.startswith("ray_ple"):
-                for a in node.names:  # `from ray_ple.testing import faults` imports a module
+                for a in node.names:  # `from ray_ple.instrument import faults` imports a module
                     sub = f"{node.module}.{a.name}"
                     is_mod = (PKG.parent / sub.replace(".", "/")).with_suffix(".py").exists() \
                         or (PKG.parent / sub.replace(".", "/")).is_dir()
@@ -89,6 +93,55 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
         assert any("_layout_probe" in v and "offload.actor" in v for v in violations())
     finally:
         fake.unlink()
+
+
+def readme_map(text: str) -> set[str]:
+    """The files the README's map ("Where things are") names, as paths from the root: each
+    row's folder joined with every `name.py` of its other cells."""
+    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        folder = re.fullmatch(r"`(ray_ple/[\w/]*?)(?:\*\.py)?`", cells[0])
+        if folder:
+            named |= {folder[1] + name for cell in cells[1:]
+                      for name in re.findall(r"`([\w/]+\.py)`", cell)}
+    return named
+
+
+def map_mismatch(text: str) -> tuple[list[str], list[str]]:
+    """(files of ray_ple/ the map leaves out, files it names that do not exist); a folder's
+    `__init__.py` may be left out."""
+    on_disk = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}
+    named = readme_map(text)
+    return (sorted(f for f in on_disk - named if not f.endswith("/__init__.py")),
+            sorted(named - on_disk))
+
+
+def test_the_readme_map_names_every_file_and_no_other():
+    missing, absent = map_mismatch((ROOT / "README.md").read_text())
+    assert (missing, absent) == ([], []), f"not in the map: {missing}; no such file: {absent}"
+
+
+def test_the_map_check_catches_a_file_left_out_and_a_file_gone(tmp_path):
+    """The checker itself can fail: a new module the map omits, a name with no file."""
+    text = (ROOT / "README.md").read_text().replace(
+        "`fatal.py` (`Reason`, the one way down)", "`fatal.py`, `gone.py`")
+    fake = PKG / "protocol" / "_map_probe.py"
+    fake.write_text("")
+    try:
+        missing, absent = map_mismatch(text)
+    finally:
+        fake.unlink()
+    assert (missing, absent) == (["ray_ple/protocol/_map_probe.py"], ["ray_ple/protocol/gone.py"])
+
+
+def test_the_package_docstring_names_every_folder_and_top_level_module():
+    import ray_ple
+
+    names = [f"{p.name}/" for p in PKG.iterdir() if (p / "__init__.py").exists()]
+    names += [f"`{p.stem}`" for p in PKG.glob("*.py") if p.stem != "__init__"]
+    assert [n for n in names if n not in ray_ple.__doc__] == []
 
 
 def test_top_level_stays_small():

@@ -29,9 +29,9 @@ from ray_ple.protocol.layout import (
     State,
 )
 from ray_ple.protocol.shm import SharedSegment
-from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import OffloadEnd, WorkerEnd, invariant_violation
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, _Watched
+from ray_ple.table_source import TableSource
 
 PARTS = 2
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, layers=(

@@ -21,19 +21,14 @@ import psutil
 import pytest
 
 from ray_ple.errors import PleEnvironmentError, PleShmError
-from ray_ple.offload.table_store import (
-    _HDR,
-    _MAGIC,
-    acquire_table,
-    broker_name,
-    fingerprint,
-    locate_tensor,
-    table_segment_size,
-)
+from ray_ple.offload.table_broker import broker_name
+from ray_ple.offload.table_file import fingerprint, locate_tensor
+from ray_ple.offload.table_segment import SEALS
+from ray_ple.offload.table_store import _HDR, _MAGIC, acquire_table, table_segment_size
 from ray_ple.protocol.doorbell import Doorbell, DoorbellListener, bell_address
-from ray_ple.protocol.shm import PAGE, SEALS, shmem_bytes
-from ray_ple.protocol.table_source import TableSource
-from tests.leftovers import ple_shm_entries
+from ray_ple.protocol.shm import PAGE
+from ray_ple.table_source import TableSource
+from tests.leftovers import ple_shm_entries, shmem_bytes
 from tests.rig import spec_for, write_checkpoint
 
 NOBODY = 65534

@@ -11,17 +11,13 @@ import numpy as np
 import pytest
 
 from ray_ple.errors import PleModelError
-from ray_ple.offload.table_store import (
-    TableFile,
-    _load,
-    acquire_table,
-    broker_name,
-    fingerprint,
-    locate_tensor,
-)
+from ray_ple.offload.table_broker import broker_name
+from ray_ple.offload.table_file import TableFile, fingerprint, load_rows, locate_tensor
+from ray_ple.offload.table_segment import TableSegment
+from ray_ple.offload.table_store import acquire_table
 from ray_ple.protocol.peers import name_holder
-from ray_ple.protocol.shm import PAGE, SharedSegment, shmem_bytes
-from tests.leftovers import hugetlb_pool, ple_shm_entries
+from ray_ple.protocol.shm import PAGE, SharedSegment
+from tests.leftovers import hugetlb_pool, ple_shm_entries, shmem_bytes
 from tests.rig import spec_for, start_offload, start_worker, write_checkpoint
 
 ROWS, LAYERS, DIM = 16384, 32, 64  # 64 MiB of bf16: far above the noise of /proc/meminfo
@@ -222,10 +218,10 @@ def test_seal_waits_out_a_transient_pin_and_names_one_that_stays(monkeypatch):
     import threading
 
     from ray_ple.errors import PleShmError
-    from ray_ple.protocol import shm
+    from ray_ple.offload import table_segment
 
-    def pinned_segment() -> tuple[SharedSegment, int]:
-        seg = SharedSegment.create("t", 1 << 20, sealable=True)
+    def pinned_segment() -> tuple[TableSegment, int]:
+        seg = TableSegment.create("t", 1 << 20)
         seg.map[:4096] = b"r" * 4096
         r, w = os.pipe()
         assert os.splice(seg.fd, w, 4096, offset_src=0) == 4096  # the pipe holds the page
@@ -238,12 +234,12 @@ def test_seal_waits_out_a_transient_pin_and_names_one_that_stays(monkeypatch):
     t0 = time.monotonic()
     seg.seal()
     assert time.monotonic() - t0 >= 0.4, "sealed while the page was still pinned"
-    assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & shm.SEALS == shm.SEALS
+    assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & table_segment.SEALS == table_segment.SEALS
     drain.join()
     os.close(r)
     seg.close()
 
-    monkeypatch.setattr(shm, "SEAL_WAIT_S", 0.3)
+    monkeypatch.setattr(table_segment, "SEAL_WAIT_S", 0.3)
     seg, r = pinned_segment()
     with pytest.raises(PleShmError, match="cannot seal the segment: .*busy"):
         seg.seal()
@@ -263,11 +259,11 @@ def _two_checkpoints(tmp_path) -> tuple:
 
 
 def _load_into_segment(table: TableFile, source) -> np.ndarray:  # noqa: ANN001
-    """The loader's own steps after the fingerprint: a new segment, `_load` through the fd."""
+    """The loader's own steps after the fingerprint: a new segment, `load_rows` through the fd."""
     layer = source.layer
-    seg = SharedSegment.create("table", PAGE + layer.table_bytes, sealable=True)
+    seg = TableSegment.create("table", PAGE + layer.table_bytes)
     try:
-        _load(seg, table, layer, table.fingerprint(layer))
+        load_rows(seg, table, layer, table.fingerprint(layer))
         return np.ndarray((layer.rows, layer.row_bytes), np.uint8, seg.map, PAGE).copy()
     finally:
         seg.close()

@@ -23,10 +23,10 @@ from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
 from ray_ple.protocol.layout import ControlBlock, PairLayout, State
 from ray_ple.protocol.shm import SharedSegment
-from ray_ple.protocol.table_source import TableSource
 from ray_ple.supervision import metrics
 from ray_ple.supervision.processes import ProcessSet, proc_state
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec
+from ray_ple.table_source import TableSource
 
 LAYER = LayerGeometry(layer_name="model.embed_tokens_per_layer", rows=8, row_elems=32,
                       dtype="bfloat16")

@@ -27,9 +27,9 @@ import numpy as np
 
 from ray_ple.offload import gather as gather_module
 from ray_ple.offload.gather import RowGatherer
+from ray_ple.offload.table_segment import TableSegment
 from ray_ple.offload.table_store import want_huge_pages
 from ray_ple.protocol.geometry import split_layers
-from ray_ple.protocol.shm import SharedSegment
 
 MIN_UNIT = gather_module._MIN_UNIT
 
@@ -49,7 +49,7 @@ def tables(rows: int, row_bytes: int, seed: int,
     src = rng.integers(0, 255, (rows, row_bytes), dtype=np.uint8)
     out: dict[str, tuple[np.ndarray, object]] = {}
     if "memfd" in names:
-        seg = SharedSegment.create("table", rows * row_bytes, sealable=True)
+        seg = TableSegment.create("table", rows * row_bytes)
         want_huge_pages(seg)
         np.ndarray((rows, row_bytes), np.uint8, seg.map)[:] = src
         out["memfd"] = (np.ndarray((rows, row_bytes), np.uint8, seg.map), seg)

@@ -40,8 +40,8 @@ CTX = mp.get_context("spawn")
 
 
 def _offload_main(spec: dict[str, Any], conn: Any) -> None:
+    from ray_ple.instrument import timing
     from ray_ple.offload.actor import OffloadActor
-    from ray_ple.testing import timing
 
     actor = OffloadActor(spec)
     conn.send(actor.setup())
@@ -55,9 +55,9 @@ def _worker_main(handle: dict[str, Any], geometry: dict[str, Any], table_path: s
     import torch
 
     from ray_ple.config import PleDeadlines
+    from ray_ple.instrument import timing
     from ray_ple.protocol.geometry import PleGeometry
     from ray_ple.protocol.handles import PairHandle
-    from ray_ple.testing import timing
     from ray_ple.worker.pair import WorkerPair
 
     table = np.load(table_path)

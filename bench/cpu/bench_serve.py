@@ -21,7 +21,7 @@ side alone.
     python bench/cpu/bench_serve.py --out bench/cpu/results/<run> --rounds 7
 
 With `--timing`, both applications run with `RAY_PLE_TIMING=1` and a file sink
-(`RAY_PLE_TIMING_DIR`, ray_ple.testing.timing): the served pair's post, doorbell wake-up,
+(`RAY_PLE_TIMING_DIR`, ray_ple.instrument.timing): the served pair's post, doorbell wake-up,
 gather and pull are stamped in the real replica and joined per step into `handoff.json`
 (the same table as `bench_offload.py`'s; one part per row, as the shipped tiny model has).
 

@@ -154,8 +154,8 @@ def stress(seconds: float, samplers: int = 2, single_pass: int = 1,
 
 def jump_found(poll_interval_s: float = 0.02) -> dict[str, Any]:
     """A real supervisor over a pair that stepped; `posted` jumps to `released + 2`."""
-    from ray_ple.protocol.table_source import TableSource
     from ray_ple.supervision.supervisor import NAME_S, Supervisor, SupervisorSpec, _Watched
+    from ray_ple.table_source import TableSource
 
     seg, block = new_pair()
     replica = subprocess.Popen(["sleep", "60"])  # the replica stand-in the verdict kills

@@ -50,8 +50,8 @@ import torch
 from bench.cuda import bench_pull
 from ray_ple.protocol.fatal import EXIT_CODE
 from ray_ple.protocol.handles import PairHandle
-from ray_ple.protocol.shm import shmem_bytes
 from tests.gpu import cuda_rig as rig
+from tests.leftovers import shmem_bytes
 
 ROW_BYTES = rig.ROW_ELEMS * 2
 WORDS = ROW_BYTES // 4

@@ -17,6 +17,7 @@ import time
 
 from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
+from ray_ple.instrument import faults, timing
 from ray_ple.log import log_event
 from ray_ple.offload.cuda_guard import cuda_evidence, hide_cuda
 from ray_ple.offload.gather import RowGatherer
@@ -26,9 +27,8 @@ from ray_ple.protocol.geometry import PleGeometry
 from ray_ple.protocol.handles import PairHandle, make_pair_handle
 from ray_ple.protocol.layout import ControlBlock, PairLayout, Side, State
 from ray_ple.protocol.shm import SharedSegment, sweep_orphans
-from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import OffloadEnd, wait_until
-from ray_ple.testing import faults, timing
+from ray_ple.table_source import TableSource
 
 
 class OffloadSpec(Frozen):

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ray_ple.testing import timing
+from ray_ple.instrument import timing
 
 _PARALLEL_MIN_TOKENS = 64
 _PARALLEL_MIN_PART_BYTES = 4 << 20  # a part below this is faster on one thread (H200 host)

@@ -70,7 +70,7 @@ from ray_ple.errors import PleConfigError, PleEnvironmentError, PleTokenCountErr
 from ray_ple.protocol.fatal import Failure, Reason, fail_closed
 from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
 
-# A test-only seam (ray_ple.testing.faults): called where a word is about to be stored, it
+# A test-only seam (ray_ple.instrument.faults): called where a word is about to be stored, it
 # returns True when it stored a faulty word itself. None in production: no code runs.
 Cut = Callable[[int, int], bool]
 

@@ -7,7 +7,7 @@ from typing import Any
 from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
 from ray_ple.protocol.geometry import PleGeometry
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.table_source import TableSource
 
 KEY = "ray_ple"
 

@@ -23,7 +23,7 @@ from ray_ple.log import log_event
 from ray_ple.offload.actor import OffloadActor, OffloadSpec, PairStatus
 from ray_ple.protocol.geometry import PleGeometry
 from ray_ple.protocol.handles import PairHandle, validate_pair_handle
-from ray_ple.protocol.table_source import TableSource
+from ray_ple.table_source import TableSource
 
 
 class OffloadGroup:

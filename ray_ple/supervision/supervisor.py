@@ -42,7 +42,6 @@ from ray_ple.protocol.geometry import PleGeometry
 from ray_ple.protocol.handles import EngineAttached, EngineHandles, PairHandle
 from ray_ple.protocol.layout import ControlBlock, Counters, Side, State
 from ray_ple.protocol.shm import open_segment
-from ray_ple.protocol.table_source import TableSource
 from ray_ple.protocol.transaction import (
     Deadline,
     invariant_violation,
@@ -55,6 +54,7 @@ from ray_ple.supervision import metrics
 from ray_ple.supervision.engine_leftovers import files_of, files_of_tree, remove_unused
 from ray_ple.supervision.offload_group import OffloadGroup
 from ray_ple.supervision.processes import ProcessSet
+from ray_ple.table_source import TableSource
 
 KV_PREFIX = "ray_ple:verdict:"
 CLOSE_WAIT_S = 60.0  # an orderly stop: Serve's graceful shutdown (20 s by default) and more

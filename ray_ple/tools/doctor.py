@@ -295,7 +295,8 @@ def check_host_memory(args: DoctorArgs) -> Check:
 def check_huge_pages(args: DoctorArgs) -> Check:
     """Where `ple.huge_pages: auto` will put the table segment (header page + rows, the
     bytes the pod was sized for): never a failure, 4 KiB pages work everywhere."""
-    from ray_ple.protocol.shm import huge_page_size, hugetlb_room, page_align
+    from ray_ple.offload.table_segment import huge_page_size, hugetlb_room
+    from ray_ple.protocol.shm import page_align
 
     page = huge_page_size()
     room, where = hugetlb_room()
@@ -348,7 +349,8 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
     slots, the offload actor's pair layout, and (with `read_checkpoint`) the checkpoint
     tensor the offload actor will load, checked as it checks it. None for a model served
     without the offload."""
-    from ray_ple.offload.table_store import TableFile, _check_shape, table_segment_size
+    from ray_ple.offload.table_file import TableFile, check_shape
+    from ray_ple.offload.table_store import table_segment_size
     from ray_ple.protocol.layout import PairLayout
 
     plan = m.plan
@@ -360,7 +362,7 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
         tensor = ""
         if read_checkpoint:
             with TableFile.open(source) as table:
-                _check_shape(table.loc, layer)  # what the offload actor checks as it loads
+                check_shape(table.loc, layer)  # what the offload actor checks as it loads
                 tensor = table.loc.name
         tables.append(TableNeed(layer_name=layer.layer_name, tensor=tensor, rows=layer.rows,
                                 row_elems=layer.row_elems, dtype=layer.dtype,

@@ -16,6 +16,7 @@ import numpy as np
 
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleConfigError, PleHandleError
+from ray_ple.instrument import faults, timing
 from ray_ple.log import log_event
 from ray_ple.protocol.doorbell import Doorbell
 from ray_ple.protocol.fatal import Failure, Reason
@@ -29,7 +30,6 @@ from ray_ple.protocol.handles import (
 from ray_ple.protocol.layout import ControlBlock, Side, State
 from ray_ple.protocol.shm import SharedSegment
 from ray_ple.protocol.transaction import Phase, WorkerEnd, stale_heartbeat
-from ray_ple.testing import faults, timing
 from ray_ple.worker.transport import STREAM_POSTING, make_transport
 
 

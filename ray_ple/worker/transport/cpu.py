@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ray_ple.instrument import timing
 from ray_ple.protocol.fatal import Reason
 from ray_ple.protocol.layout import Side, State
 from ray_ple.protocol.transaction import consumable, wait_until
-from ray_ple.testing import timing
 from ray_ple.worker.transport.base import Transport
 
 if TYPE_CHECKING:

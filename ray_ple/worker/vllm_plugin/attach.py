@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from vllm.config import VllmConfig
 
+from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker import pair as worker_pair
 
 

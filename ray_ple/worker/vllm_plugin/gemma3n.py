@@ -25,8 +25,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 
+from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.worker.vllm_plugin.attach import attach_worker
 from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
 

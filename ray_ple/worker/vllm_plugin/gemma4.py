@@ -77,8 +77,8 @@ from vllm.model_executor.models.gemma4 import (
 )
 from vllm.model_executor.models.utils import maybe_prefix
 
+from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError, PleModelError
-from ray_ple.protocol.engine_settings import PleEngineSettings
 from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
 from ray_ple.worker.vllm_plugin.attach import attach_worker

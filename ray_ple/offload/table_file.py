@@ -1,0 +1,172 @@
+"""The checkpoint file that holds a PLE table: where the tensor is, what identifies it, and
+its rows, all read through one open fd.
+
+The rows are read from the checkpoint's safetensors (never through a GPU) and cast exactly as
+the engine would where the checkpoint's dtype is not the engine's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from ray_ple.errors import PleModelError
+from ray_ple.log import Progress
+from ray_ple.offload.table_segment import TableSegment
+from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
+from ray_ple.protocol.shm import PAGE
+from ray_ple.table_source import TableSource
+
+_CHUNK = 64 << 20
+
+
+class TensorLocation(BaseModel):
+    """Where the table's bytes are in the checkpoint."""
+
+    model_config = ConfigDict(frozen=True)
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(fd: int) -> tuple[dict, int]:
+    """The safetensors header of an open file, read through its fd (never the path again)."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, n, 8)), 8 + n
+
+
+# What says a file is the one that was opened: a replaced path shows another inode (our fd
+# still reads the old one); a rewrite in place a new size, mtime or ctime.
+_IDENTITY = ("st_size", "st_mtime_ns", "st_ino", "st_dev", "st_ctime_ns")
+
+
+class TableFile:
+    """The checkpoint file that holds the table, opened once: its header, its fingerprint's
+    stat and its rows are all read through this one fd, so a checkpoint replaced on the path
+    meanwhile is never read in part, and one rewritten in place is caught by `check_unchanged`
+    after the load (one error, never mixed rows)."""
+
+    def __init__(self, fd: int, loc: TensorLocation, stat: os.stat_result) -> None:
+        self.fd, self.loc, self.stat = fd, loc, stat
+
+    @classmethod
+    def open(cls, source: TableSource) -> TableFile:
+        """Find the PLE tensor in the checkpoint's safetensors files and keep its file open."""
+        ckpt = Path(source.checkpoint_dir)
+        files = sorted(ckpt.glob("*.safetensors"))
+        index = ckpt / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = [ckpt / weight_map[n] for n in source.tensor_names
+                     if n in weight_map] or files
+        if not files:
+            raise PleModelError(f"no .safetensors files in {ckpt}")
+        for path in files:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                stat = os.fstat(fd)  # before the header: a rewrite after it shows in the end
+                header, data_start = _read_header(fd)
+                for name in source.tensor_names:
+                    if name in header:
+                        e = header[name]
+                        b, end = e["data_offsets"]
+                        return cls(fd, TensorLocation(
+                            file=str(path.resolve()), name=name, dtype=e["dtype"],
+                            shape=tuple(e["shape"]), begin=data_start + b,
+                            end=data_start + end), stat)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
+                            f"{list(source.tensor_names)})")
+
+    def fingerprint(self, layer: LayerGeometry) -> str:
+        return fingerprint(self.loc, layer, self.stat)
+
+    def check_unchanged(self) -> None:
+        """Refuse what was read if the file changed since it was opened."""
+        now = os.fstat(self.fd)
+        changed = [k for k in _IDENTITY if getattr(now, k) != getattr(self.stat, k)]
+        if changed:
+            raise PleModelError(f"{self.loc.file} changed while its table {self.loc.name} was "
+                                f"read ({', '.join(changed)} differ): refusing the rows; "
+                                "start again once the checkpoint is written")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> TableFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def locate_tensor(source: TableSource) -> TensorLocation:
+    """Where the PLE tensor is in the checkpoint's safetensors files."""
+    with TableFile.open(source) as f:
+        return f.loc
+
+
+def check_shape(loc: TensorLocation, layer: LayerGeometry) -> None:
+    if loc.shape != (layer.rows, layer.row_elems):
+        raise PleModelError(f"{loc.name} has shape {list(loc.shape)}, the model config says "
+                            f"[{layer.rows}, {layer.row_elems}]")
+
+
+def fingerprint(loc: TensorLocation, layer: LayerGeometry,
+                st: os.stat_result | None = None) -> str:
+    """Identity of one table copy: the tensor's file (`st`: the fstat of the fd its rows are
+    read through; the path's stat for a file at rest) and entry, plus the engine dtype."""
+    st = os.stat(loc.file) if st is None else st
+    key = json.dumps([loc.model_dump(), st.st_size, st.st_mtime_ns, st.st_ino,
+                      layer.model_dump()], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_rows(seg: TableSegment, table: TableFile, layer: LayerGeometry, fp: str) -> None:
+    """Read the rows into `seg` through the file's one fd, then refuse them if the file
+    changed since it was opened (`TableFile.check_unchanged`)."""
+    loc = table.loc
+    src_dtype = safetensors_dtype(loc.dtype)
+    nbytes = layer.table_bytes
+    progress = Progress("table_load", nbytes, tensor=loc.name, fingerprint=fp[:12])
+    dst = memoryview(seg.map)[PAGE:PAGE + nbytes]
+    if src_dtype == layer.dtype:
+        with open(table.fd, "rb", buffering=0, closefd=False) as f:
+            f.seek(loc.begin)
+            done = 0
+            while done < nbytes:
+                n = f.readinto(dst[done:done + _CHUNK])
+                if not n:
+                    raise PleModelError(f"{loc.file} ends inside {loc.name}")
+                done += n
+                progress.update(done)
+    else:  # cast exactly as the engine would (torch CPU; CUDA stays hidden in this process)
+        import torch
+
+        src_item, rows_per_chunk = ITEMSIZE[src_dtype], max(1, _CHUNK // layer.row_bytes)
+        out = torch.frombuffer(dst, dtype=getattr(torch, layer.dtype)).view(layer.rows, -1)
+        with open(table.fd, "rb", buffering=0, closefd=False) as f:
+            for r in range(0, layer.rows, rows_per_chunk):
+                n = min(rows_per_chunk, layer.rows - r)
+                f.seek(loc.begin + r * layer.row_elems * src_item)
+                raw = bytearray(f.read(n * layer.row_elems * src_item))
+                src = torch.frombuffer(raw, dtype=getattr(torch, src_dtype)).view(n, -1)
+                out[r:r + n].copy_(src)
+                progress.update((r + n) * layer.row_bytes)
+        del out
+    dst.release()
+    table.check_unchanged()
+    progress.finish()
