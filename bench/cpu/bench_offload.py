@@ -14,8 +14,8 @@ Per case and repetition: wall time of `LLM.generate`, per-request TTFT (vLLM's
 `first_token_latency`), decode rate from vLLM's token timestamps, greedy tokens (compared
 across the sides), CPU seconds of the engine and of its offload actor, and a per-step clock
 in the worker (execute, forward, PLE lookup, sampling). Offload engines run with
-`RAY_PLE_TIMING=1` (ray_ple.instrument.timing): each step's post, doorbell wake-up, gather and pull are
-stamped in the real pair and joined here into per-step hand-off times.
+`RAY_PLE_TIMING=1` (ray_ple.instrument.timing): each step's post, doorbell wake-up, gather
+and pull are stamped in the real pair and joined here into per-step hand-off times.
 
     python bench/cpu/bench_offload.py --out bench/cpu/results/<run> --unpinned
 
@@ -62,7 +62,8 @@ ENV = {
     "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-    # collective_rpc of ray_ple.instrument.timing.drain (a function, not a worker method) needs pickle
+    # collective_rpc of ray_ple.instrument.timing.drain (a function, not a worker method)
+    # needs pickle
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     "RAY_PLE_TIMING": "1",
 }

@@ -626,8 +626,8 @@ def stamp_mismatch_scenario(work: Path, late: bool) -> None:
 def stream_post_twice_scenario(work: Path) -> None:
     """One announcement, two stream posts (a post enqueued twice): the second `ple_post`
     finds `posted` ahead of `released`, stores STREAM_POST and FAILED and traps."""
-    from ray_ple.protocol.fatal import Reason
     import ray_ple.worker.ops  # noqa: F401
+    from ray_ple.protocol.fatal import Reason
 
     geo = geometry(4096, max_tokens=64)
     off = OffloadProcess(work / "ckpt", geo, spin_us=1000)
