@@ -201,8 +201,9 @@ def _gemma4_towers(spec: TinyGemma4TowersSpec) -> Any:
         vision_config={"hidden_size": h, "intermediate_size": 2 * h, "num_hidden_layers": n,
                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": h // 2,
                        "position_embedding_size": 1024},
+        # transformers sizes the audio projection as if the first conv had 128 channels
         audio_config={"hidden_size": h, "num_hidden_layers": n, "num_attention_heads": 2,
-                      "subsampling_conv_channels": [16, 8], "output_proj_dims": h},
+                      "subsampling_conv_channels": [128, 8], "output_proj_dims": h},
         boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
         image_token_id=ids["image_token"], video_token_id=ids["video_token"],
         boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
