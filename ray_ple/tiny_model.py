@@ -3,7 +3,8 @@
 No model can be downloaded here, so ray-ple builds one: a deterministic seed, an offline
 word-level tokenizer with a chat template, saved as safetensors under the ray-ple cache and
 reused afterwards. Two shapes: `tiny` (tests, the default app) and `small` (benchmarks).
-A tiny text Gemma 3n (AltUp, Laurel, KV-shared layers) sits beside it for the 3n tests.
+A tiny text Gemma 3n (AltUp, Laurel, KV-shared layers) sits beside it for the 3n tests, and
+a tiny Gemma 4 with small vision and audio towers (`tiny-gemma4-towers`) for media requests.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ class TinySpec(_TinyShape):
     """Shape of a locally built Gemma 4."""
 
 
+class TinyGemma4TowersSpec(TinySpec):
+    """A Gemma 4 with a small vision and audio tower (random weights) and its processor's
+    files: the media tokens are the last words of the vocabulary (`MEDIA_TOKENS`)."""
+
+    multimodal: Literal[True] = True
+    towers: Literal[True] = True
+    tower_hidden_size: int = 64
+    tower_layers: int = 1
+    max_soft_tokens: int = Field(70, description="image soft tokens, one of vLLM's (70, 140, ...)")
+    audio_seq_length: int = 64
+
+
 class TinyGemma3nSpec(_TinyShape):
     """Shape of a locally built text Gemma 3n: the last `num_kv_shared_layers` reuse KV."""
 
@@ -58,7 +71,12 @@ class TinyGemma3nSpec(_TinyShape):
     laurel_rank: int = 8
 
 
-AnySpec = TinySpec | TinyGemma3nSpec
+AnySpec = TinySpec | TinyGemma4TowersSpec | TinyGemma3nSpec
+
+# Gemma 4's media tokens (the released tokenizer's spellings), at the vocabulary's last ids
+MEDIA_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>",
+                "video_token": "<|video|>"}
 
 PRESETS: dict[str, AnySpec] = {
     "tiny-gemma4": TinySpec(),
@@ -74,6 +92,8 @@ PRESETS: dict[str, AnySpec] = {
     # their defaults, no tower weights): what ray-ple serves as text, refusing images
     "tiny-gemma3n-mm": TinyGemma3nSpec(multimodal=True),
     "tiny-gemma4-mm": TinySpec(multimodal=True),
+    # with its vision and audio towers and processor: what serving images and audio needs
+    "tiny-gemma4-towers": TinyGemma4TowersSpec(),
 }
 
 
@@ -106,18 +126,41 @@ def resolve(source: str) -> str:
     return str(build(PRESETS[name]))
 
 
-def _tokenizer(vocab_size: int, out: Path) -> None:
+def media_token_ids(vocab_size: int) -> dict[str, int]:
+    """Each `MEDIA_TOKENS` name -> its id in a towers checkpoint's vocabulary."""
+    first = vocab_size - len(MEDIA_TOKENS)
+    return {name: first + i for i, name in enumerate(MEDIA_TOKENS)}
+
+
+# Media parts as the released Gemma 4 template places them: one placeholder per item,
+# which vLLM's processor expands into the item's soft tokens between its begin/end tokens
+_MEDIA_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} "
+                   "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}"
+                   "{{ c['text'] }} {% elif c['type'] == 'image' %}<|image|> "
+                   "{% elif c['type'] == 'audio' %}<|audio|> {% endif %}{% endfor %}{% endif %}"
+                   "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")
+
+
+def _tokenizer(vocab_size: int, out: Path, media: bool = False) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(4, vocab_size)]
+    media_ids = media_token_ids(vocab_size) if media else {}
+    for name, i in media_ids.items():
+        words[i] = MEDIA_TOKENS[name]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    kwargs: dict[str, Any] = {}
+    if media:  # `tokenizer.image_token(_id)` etc., as Gemma4Processor reads them
+        kwargs["extra_special_tokens"] = {n: MEDIA_TOKENS[n] for n in MEDIA_TOKENS
+                                          if n != "video_token"}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}w4{% endif %}")
+                                   bos_token="<bos>", unk_token="<unk>", **kwargs)
+    fast.chat_template = _MEDIA_TEMPLATE if media else (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}")
     fast.save_pretrained(out)
 
 
@@ -143,6 +186,51 @@ def _gemma4(spec: TinySpec) -> Any:
     cfg.architectures = ["Gemma4ForCausalLM"]
     torch.manual_seed(spec.seed)
     return Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _gemma4_towers(spec: TinyGemma4TowersSpec) -> Any:
+    """`_gemma4`'s text model inside a Gemma4ForConditionalGeneration with small towers."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = _gemma4(spec).config
+    text.architectures = None
+    h, n = spec.tower_hidden_size, spec.tower_layers
+    ids = media_token_ids(spec.vocab_size)
+    cfg = Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config={"hidden_size": h, "intermediate_size": 2 * h, "num_hidden_layers": n,
+                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": h // 2,
+                       "position_embedding_size": 1024},
+        # transformers sizes the audio projection as if the first conv had 128 channels
+        audio_config={"hidden_size": h, "num_hidden_layers": n, "num_attention_heads": 2,
+                      "subsampling_conv_channels": [128, 8], "output_proj_dims": h},
+        boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+        image_token_id=ids["image_token"], video_token_id=ids["video_token"],
+        boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
+        audio_token_id=ids["audio_token"])
+    cfg.architectures = [architecture(spec)]
+    torch.manual_seed(spec.seed)
+    return Gemma4ForConditionalGeneration(cfg).to(torch.bfloat16)
+
+
+def _processor_files(spec: TinyGemma4TowersSpec, out: Path) -> None:
+    """Gemma4Processor's config, written from its parts' own classes (the processor class
+    itself imports torchvision, which a CPU torch may lack); video uses the same frames'
+    settings as images."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    image = json.loads(Gemma4ImageProcessorPil(max_soft_tokens=spec.max_soft_tokens)
+                       .to_json_string())
+    image["image_processor_type"] = "Gemma4ImageProcessor"
+    audio = json.loads(Gemma4AudioFeatureExtractor().to_json_string())
+    config = {"processor_class": "Gemma4Processor", "image_seq_length": spec.max_soft_tokens,
+              "audio_seq_length": spec.audio_seq_length, "audio_ms_per_token": 40,
+              "image_processor": image, "feature_extractor": audio,
+              "video_processor": {**image, "video_processor_type": "Gemma4VideoProcessor",
+                                  "max_soft_tokens": 70}}
+    (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _gemma3n(spec: TinyGemma3nSpec) -> Any:
@@ -207,13 +295,17 @@ def build(spec: AnySpec) -> Path:
         if done.exists():
             return out
         progress = Progress("tiny_model_build", 3, path=str(out))
-        model = _gemma3n(spec) if isinstance(spec, TinyGemma3nSpec) else _gemma4(spec)
+        towers = isinstance(spec, TinyGemma4TowersSpec)
+        model = (_gemma3n(spec) if isinstance(spec, TinyGemma3nSpec)
+                 else _gemma4_towers(spec) if towers else _gemma4(spec))
         progress.update(1)
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
-        if spec.multimodal:
+        if towers:
+            _processor_files(spec, tmp)
+        elif spec.multimodal:
             _as_multimodal(spec, tmp)
-        _tokenizer(spec.vocab_size, tmp)
+        _tokenizer(spec.vocab_size, tmp, media=towers)
         progress.update(2)
         if out.exists():
             import shutil
