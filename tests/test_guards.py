@@ -170,7 +170,7 @@ def test_a_flag_reset_within_the_wait_is_waited_for_not_fatal():
     `offload_wait_s`), not fatal at once: the consumer may be resetting it right now."""
     pair = Pair(step=0)
     b = pair.block
-    end = OffloadEnd(b, 0, PleDeadlines(offload_wait_s=10.0), GEOMETRY.layer_names)
+    end = OffloadEnd(b, 0, PleDeadlines(offload_wait_s=10.0), GEOMETRY.slot_names)
     b.flags[0][0] = 1
     b.token_count, b.ids[0] = 1, 5
     b.announced = b.posted = 1
@@ -223,7 +223,7 @@ def test_the_supervisor_sees_a_slot_outside_its_step(published):
         assert invariant_violation(pair.block.counters()) is None
         pair.block.set_published(0, published)
         f = invariant_violation(pair.block.counters())
-        assert (f.reason, f.layer) == (Reason.INVARIANT, 0)
+        assert (f.reason, f.slot) == (Reason.INVARIANT, 0)
     finally:
         pair.close()
 
@@ -902,7 +902,7 @@ def test_a_pull_for_a_layer_no_pair_of_this_process_serves_is_refused(monkeypatc
     from ray_ple.worker import pair as registry
 
     monkeypatch.setattr(registry, "_PAIR", None)
-    monkeypatch.setattr(registry, "_LAYERS", {"served": 0})
+    monkeypatch.setattr(registry, "_SLOTS", {"served": 0})
     for name in ("served", "other"):  # no pair at all: neither is served
         with pytest.raises(PleHandleError, match="serves layer"):
             registry.resolve(name)
@@ -1044,7 +1044,7 @@ def test_a_process_attaches_one_pair_once_and_only_its_own(monkeypatch):
                               actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
                               layout=pair.layout)
     monkeypatch.setattr(registry, "_PAIR", None)
-    monkeypatch.setattr(registry, "_LAYERS", {})
+    monkeypatch.setattr(registry, "_SLOTS", {})
     for key, value in EngineHandles(pairs=(handle,)).env().items():
         monkeypatch.setenv(key, value)
     slow = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=5, startup_s=5)

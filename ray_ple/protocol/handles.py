@@ -191,13 +191,13 @@ def validate_pair_handle(handle: PairHandle, expected: PleGeometry, *, rank: int
 def validate_segment_header(header: tuple[int, int, int, int, str, str],
                             handle: PairHandle) -> None:
     """The mapped segment must say what the handle says (guards fd reuse and stale handles)."""
-    magic, version, n_layers, max_tokens, token, fingerprint = header
+    magic, version, n_slots, max_tokens, token, fingerprint = header
     if magic != MAGIC:
         raise PleHandleError(f"segment of rank {handle.rank} is not a ray-ple pair "
                              f"(magic {magic:#x})")
-    if (version, n_layers, max_tokens) != (handle.layout_version, len(handle.slots),
+    if (version, n_slots, max_tokens) != (handle.layout_version, len(handle.slots),
                                            handle.control.max_tokens):
-        raise PleHandleError(f"segment header (v{version}, {n_layers} layers, {max_tokens} tokens) "
+        raise PleHandleError(f"segment header (v{version}, {n_slots} slots, {max_tokens} tokens) "
                              f"differs from the handle of rank {handle.rank}")
     if token != handle.segment.token:
         raise PleHandleError(f"segment token of rank {handle.rank} differs from the handle")
