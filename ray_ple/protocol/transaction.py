@@ -1,4 +1,6 @@
-"""The transaction: one per forward, per worker. Every rule of DESIGN sections 4 and 5, once.
+"""The transaction: one per forward, per worker. Every rule of a step, once.
+
+Why it is built this way: `docs/design-notes.md#the-transaction`.
 
 Timeline of step s (W = worker, O = offload actor, C = consumer: the GPU stream on CUDA, the
 engine thread on CPU; every counter lives in the pair's control block)::

@@ -1,4 +1,4 @@
-"""The transport interface: how the consumer of DESIGN section 4 (steps 3 and 4) moves rows.
+"""The transport interface: how the consumer (`C` in `protocol/transaction.py`) moves rows.
 
 The transaction rules (what may be posted, published, released, and when) stay in
 `ray_ple.protocol.transaction`; a transport only waits on a slot's flag, copies its rows and

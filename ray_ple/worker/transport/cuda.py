@@ -1,4 +1,4 @@
-"""CUDA transport: the consumer of DESIGN section 4 (steps 3 and 4) on the model stream.
+"""CUDA transport: the consumer (`C` in `protocol/transaction.py`) on the model stream.
 
 Setup (once per process, in the worker): the pair segment is page-locked and device-mapped
 (`cuMemHostRegister(PORTABLE | DEVICEMAP)`, kept for the life of the process), the device is
