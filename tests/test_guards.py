@@ -896,18 +896,18 @@ def test_a_pair_refuses_a_post_mode_its_transport_cannot_take():
         pair.close()
 
 
-def test_a_pull_for_a_layer_no_pair_of_this_process_serves_is_refused(monkeypatch):
-    """`resolve`: the ops look a layer up by name; no live pair, or a name it does not
+def test_a_pull_for_a_slot_no_pair_of_this_process_serves_is_refused(monkeypatch):
+    """`resolve`: the ops look a slot up by name; no live pair, or a name it does not
     serve, is one `PleHandleError` (never a pull through a pair of None or slot None)."""
     from ray_ple.worker import pair as registry
 
     monkeypatch.setattr(registry, "_PAIR", None)
     monkeypatch.setattr(registry, "_SLOTS", {"served": 0})
     for name in ("served", "other"):  # no pair at all: neither is served
-        with pytest.raises(PleHandleError, match="serves layer"):
+        with pytest.raises(PleHandleError, match="serves slot"):
             registry.resolve(name)
-    monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that layer
-    with pytest.raises(PleHandleError, match="serves layer 'other'"):
+    monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that slot
+    with pytest.raises(PleHandleError, match="serves slot 'other'"):
         registry.resolve("other")
     assert registry.resolve("served")[1] == 0
 
