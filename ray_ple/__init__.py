@@ -1,6 +1,6 @@
 """ray-ple: serve PLE models with vLLM on Ray Serve, the per-layer-embedding table in host RAM.
 
-Two sides per engine worker, one supervisor per replica (DESIGN.md sections 2-5):
+Two sides per engine worker, one supervisor per replica (`docs/design-notes.md#topology`):
 
     protocol/     what both sides share: segment layout, handles, geometry, the transaction
                   (every rule, once), the fatal path; imports nothing above it

@@ -25,7 +25,7 @@ _DAY_S, _HOUR_S = 86400.0, 3600.0
 
 
 class PleDeadlines(Frozen):
-    """Progress deadlines; missing one ends the replica (DESIGN section 5)."""
+    """Progress deadlines; missing one ends the replica (`docs/design-notes.md#supervision`)."""
 
     model_config = _STRICT
     startup_s: float = Field(900.0, gt=0, le=_DAY_S,

@@ -73,10 +73,6 @@ EQUIVALENT: dict[str, str] = {
     "ray_ple/protocol/transaction.py:peer_state: block.ready() -> False and (block.ready())":
         "a fast path only: where `ready()` holds (reason 0, state word READY) the code after "
         "it reads `state` as READY and returns None too",
-    "ray_ple/protocol/handles.py:validate_pair_handle: slot.row_bytes % ITEMSIZE[slot.dtype] "
-    "-> False and (slot.row_bytes % ITEMSIZE[slot.dtype])":
-        "enforced by the field loop just before: `row_bytes` and `dtype` must equal the "
-        "geometry's, whose `row_bytes` is `row_elems * ITEMSIZE[dtype]`",
     "ray_ple/protocol/transaction.py:OffloadEnd.publish: int(flag[0]) != 0 and not "
     "wait_until( lambda f=flag: int(f[0]) == 0, self.deadlines.offload_wait_s, abort=alive) "
     "-> True and (not wait_until(lambda f=flag: int(f[0]) == 0, "

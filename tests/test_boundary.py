@@ -97,7 +97,7 @@ def test_an_id_wider_than_the_slot_is_refused_before_anything_is_posted():
         block = ControlBlock(segment, layout)
         block.write_header(segment.token, "0" * 64)
         block.set_state(State.READY)
-        worker = WorkerEnd(block, 0, PleDeadlines(), ("layer0",))
+        worker = WorkerEnd(block, 0, PleDeadlines(), ("slot0",))
         before = (block.counters(), block.announced, block.token_count, block.ids.copy())
         for ids in (np.array([2**32 + 3], dtype=np.int64),
                     np.array([1, 2**32 + 3], dtype=np.int64),

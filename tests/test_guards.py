@@ -171,7 +171,7 @@ def test_a_flag_reset_within_the_wait_is_waited_for_not_fatal():
     `offload_wait_s`), not fatal at once: the consumer may be resetting it right now."""
     pair = Pair(step=0)
     b = pair.block
-    end = OffloadEnd(b, 0, PleDeadlines(offload_wait_s=10.0), GEOMETRY.layer_names)
+    end = OffloadEnd(b, 0, PleDeadlines(offload_wait_s=10.0), GEOMETRY.slot_names)
     b.flags[0][0] = 1
     b.token_count, b.ids[0] = 1, 5
     b.announced = b.posted = 1
@@ -224,7 +224,7 @@ def test_the_supervisor_sees_a_slot_outside_its_step(published):
         assert invariant_violation(pair.block.counters()) is None
         pair.block.set_published(0, published)
         f = invariant_violation(pair.block.counters())
-        assert (f.reason, f.layer) == (Reason.INVARIANT, 0)
+        assert (f.reason, f.slot) == (Reason.INVARIANT, 0)
     finally:
         pair.close()
 
@@ -393,8 +393,8 @@ def test_a_served_table_fd_readable_by_others_is_refused(source):
 
 
 def test_a_handle_whose_slot_index_is_not_its_place_is_refused():
-    """`validate_pair_handle`: a slot's index is the key of every offset checked after it;
-    one that is not the slot's place is one `PleHandleError` naming it."""
+    """`validate_pair_handle`: a slot's index is the key of its offsets; one that is not the
+    slot's place is one `PleHandleError` naming it."""
     from ray_ple.protocol.handles import make_pair_handle, validate_pair_handle
 
     pair = Pair()
@@ -405,7 +405,7 @@ def test_a_handle_whose_slot_index_is_not_its_place_is_refused():
         assert validate_pair_handle(handle, GEOMETRY, rank=0) == pair.layout
         moved = handle.model_copy(update={"slots": (
             handle.slots[0].model_copy(update={"index": 1}),)})
-        with pytest.raises(PleHandleError, match="has index 1"):
+        with pytest.raises(PleHandleError, match=r"\.index = 1, expected 0"):
             validate_pair_handle(moved, GEOMETRY, rank=0)
     finally:
         pair.close()
@@ -888,18 +888,18 @@ def test_a_pair_refuses_a_post_mode_its_transport_cannot_take():
         pair.close()
 
 
-def test_a_pull_for_a_layer_no_pair_of_this_process_serves_is_refused(monkeypatch):
-    """`resolve`: the ops look a layer up by name; no live pair, or a name it does not
+def test_a_pull_for_a_slot_no_pair_of_this_process_serves_is_refused(monkeypatch):
+    """`resolve`: the ops look a slot up by name; no live pair, or a name it does not
     serve, is one `PleHandleError` (never a pull through a pair of None or slot None)."""
     from ray_ple.worker import pair as registry
 
     monkeypatch.setattr(registry, "_PAIR", None)
-    monkeypatch.setattr(registry, "_LAYERS", {"served": 0})
+    monkeypatch.setattr(registry, "_SLOTS", {"served": 0})
     for name in ("served", "other"):  # no pair at all: neither is served
-        with pytest.raises(PleHandleError, match="serves layer"):
+        with pytest.raises(PleHandleError, match="serves slot"):
             registry.resolve(name)
-    monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that layer
-    with pytest.raises(PleHandleError, match="serves layer 'other'"):
+    monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that slot
+    with pytest.raises(PleHandleError, match="serves slot 'other'"):
         registry.resolve("other")
     assert registry.resolve("served")[1] == 0
 
@@ -1036,7 +1036,7 @@ def test_a_process_attaches_one_pair_once_and_only_its_own(monkeypatch):
                               actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
                               layout=pair.layout)
     monkeypatch.setattr(registry, "_PAIR", None)
-    monkeypatch.setattr(registry, "_LAYERS", {})
+    monkeypatch.setattr(registry, "_SLOTS", {})
     for key, value in EngineHandles(pairs=(handle,)).env().items():
         monkeypatch.setenv(key, value)
     slow = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=5, startup_s=5)

@@ -171,7 +171,7 @@ def live_pair(tmp_path):
     (lambda h: h["slots"][0].update(num_layers=1), "num_layers"),
     (lambda h: h["control"].update(sleeping_offset=0), "control offsets"),
     (lambda h: h["control"].update(announced_offset=640), "control offsets"),
-    (lambda h: h["slots"][0].update(row_bytes=h["slots"][0]["row_bytes"] * 2), "row_bytes"),
+    (lambda h: h["slots"][0].update(row_elems=h["slots"][0]["row_elems"] * 2), "row_elems"),
     (lambda h: h["slots"][0].update(dtype="float16"), "dtype"),
     (lambda h: h["slots"][0].update(slot_offset=h["slots"][0]["slot_offset"] + 4096),
      "slot_offset"),

@@ -35,7 +35,7 @@ from ray_ple.table_source import TableSource
 
 PARTS = 2
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, layers=(
-    LayerGeometry(layer_name="model.embed_tokens_per_layer", rows=8, row_elems=16,
+    LayerGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=16,
                   dtype="bfloat16"),), row_layers=PARTS, parts=(1,) * PARTS)
 DEADLINES = PleDeadlines()
 

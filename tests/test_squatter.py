@@ -1,4 +1,6 @@
-"""Another user on the node cannot serve the table or ring a side (DESIGN.md section 3).
+"""Another user on the node cannot serve the table or ring a side.
+
+`docs/design-notes.md#shared-memory`, "Same user only".
 
 Real squatters: forked processes that drop to uid 65534 (so the suite must run as root) and
 bind the names ray-ple computes, serving a forged table that is right in every other way.

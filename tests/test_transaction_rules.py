@@ -40,7 +40,7 @@ from ray_ple.supervision.supervisor import Supervisor, _Problem, _Watched
 
 ROW_ELEMS, MAX_TOKENS = 32, 16
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=MAX_TOKENS, layers=(
-    LayerGeometry(layer_name="model.embed_tokens_per_layer", rows=64, row_elems=ROW_ELEMS,
+    LayerGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=ROW_ELEMS,
                   dtype="bfloat16"),))
 FAST = PleDeadlines(step_s=0.2, offload_wait_s=0.2, heartbeat_s=0.2, startup_s=0.2)
 
@@ -62,10 +62,10 @@ class Pair:
         b.set_state(State.READY)
 
     def worker(self) -> WorkerEnd:
-        return WorkerEnd(self.block, 0, FAST, GEOMETRY.layer_names)
+        return WorkerEnd(self.block, 0, FAST, GEOMETRY.slot_names)
 
     def offload(self) -> OffloadEnd:
-        return OffloadEnd(self.block, 0, FAST, GEOMETRY.layer_names)
+        return OffloadEnd(self.block, 0, FAST, GEOMETRY.slot_names)
 
     def cpu_transport(self):  # noqa: ANN201 - CpuTransport
         from ray_ple.worker.transport.cpu import CpuTransport
@@ -228,7 +228,7 @@ def _rows(t: int):  # noqa: ANN202 - torch.Tensor
     return torch.empty((t, ROW_ELEMS), dtype=torch.bfloat16)
 
 
-def _no_gather(layer: int, ids: np.ndarray, out: np.ndarray) -> None:
+def _no_gather(slot: int, ids: np.ndarray, out: np.ndarray) -> None:
     out[:] = 7
 
 

@@ -28,7 +28,7 @@ from ray_ple.supervision.processes import ProcessSet, proc_state
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec
 from ray_ple.table_source import TableSource
 
-LAYER = LayerGeometry(layer_name="model.embed_tokens_per_layer", rows=8, row_elems=32,
+LAYER = LayerGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=32,
                       dtype="bfloat16")
 
 

@@ -41,7 +41,7 @@ from ray_ple.protocol.transaction import OffloadEnd, WorkerEnd, invariant_violat
 CTX = mp.get_context("fork")  # the children share the parent's mapping and fd of the segment
 PARTS = 4  # slots: a `published` word each, all read in every pass
 GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=8, layers=(
-    LayerGeometry(layer_name="model.embed_tokens_per_layer", rows=64, row_elems=4 * PARTS,
+    LayerGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=4 * PARTS,
                   dtype="bfloat16"),), row_layers=PARTS, parts=(1,) * PARTS)
 DEADLINES = PleDeadlines()
 

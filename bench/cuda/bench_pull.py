@@ -280,7 +280,7 @@ def copy_section(pair: Any, t: int, reps: int, rows: int,
                     pass
                 turn.append((time.perf_counter() - t0) * 1e6)
                 e0.record()
-                torch.ops.ray_ple.pull(out, rig.LAYER)  # flag already up: wait + copy only
+                torch.ops.ray_ple.pull(out, rig.TABLE)  # flag already up: wait + copy only
                 e1.record()
             e2.record()
             if mode == "sm":

@@ -140,15 +140,15 @@ def publish_cut(block: ControlBlock, rank: int) -> Cut | None:
     if not ACTIVE:
         return None
 
-    def cut(layer: int, step: int) -> bool:
+    def cut(slot: int, step: int) -> bool:
         skipped = _skipped.get(rank, (0, ""))
         if skipped[0] != step and hit("offload.repeat_publish", rank) is None:
             return False
         if skipped == (step, "offload.flag_without_gather"):
-            block.set_published(layer, step)
+            block.set_published(slot, step)
         elif skipped[0] != step:  # repeat_publish: the rows are this step's, and so is the stamp
-            block.set_stamp(layer, step)
-        block.flags[layer][0] = 1  # otherwise `published` stays at step - 1
+            block.set_stamp(slot, step)
+        block.flags[slot][0] = 1  # otherwise `published` stays at step - 1
         return True
 
     return cut
@@ -173,7 +173,7 @@ def before_gather(rank: int, block: ControlBlock, ids: np.ndarray,
     if (fault := hit("offload.stale_rows", rank) or hit("offload.flag_without_gather", rank)):
         _skipped[rank] = (block.posted, fault.point)  # the slots keep the last step's rows
 
-        def no_gather(layer: int, ids: np.ndarray, out: np.ndarray) -> None:
+        def no_gather(slot: int, ids: np.ndarray, out: np.ndarray) -> None:
             return None
 
         return no_gather

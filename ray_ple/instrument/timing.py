@@ -5,8 +5,10 @@ stored. On, every process keeps its own bounded ring of events, each a tuple of 
 `time.monotonic_ns()` stamps. CLOCK_MONOTONIC is one clock for all processes of a host, so
 the worker's and the offload actor's stamps subtract directly. The events, in step order::
 
-    worker   ("post", t)                      Doorbell.ring, right after `posted = s`
-    offload  ("wake", t)                      DoorbellListener.wait returned on a ring
+    worker   ("post", t)                      WorkerPair.step / stream_step, right after
+                                              the post (or the announcement), before any ring
+    offload  ("wake", t)                      OffloadActor._serve, when its doorbell wait
+                                              returned on a ring
     offload  ("gather", T, t_start, t_end)    RowGatherer wrote T rows into the slot
     worker   ("pull", T, t_enter, t_seen, t_done)   CpuTransport.pull: entered, flag seen,
                                               rows copied

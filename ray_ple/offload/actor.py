@@ -110,7 +110,7 @@ class OffloadActor:
             rank=spec.rank, segment=self.segment.ref(),
             node_id=node_id(), actor_name=spec.actor_name,
             fingerprint=fp, geometry=spec.geometry, layout=layout)
-        log_event("offload_ready", rank=spec.rank, layers=list(spec.geometry.layer_names),
+        log_event("offload_ready", rank=spec.rank, tables=list(spec.geometry.table_names),
                   slots=len(self._slots), segment_bytes=layout.size)
         if faults.ACTIVE and faults.hit("offload.corrupt_handle", spec.rank):
             handle = handle.model_copy(update={"segment": handle.segment.model_copy(
@@ -118,9 +118,9 @@ class OffloadActor:
         return handle
 
     # serving ----------------------------------------------------------------------------
-    def _gather_layer(self, layer: int, ids, out) -> None:  # noqa: ANN001 - numpy views
-        """Slot `layer`: its part's columns of its table; ids are clipped on a first part."""
-        s = self._slots[layer]
+    def _gather_slot(self, slot: int, ids, out) -> None:  # noqa: ANN001 - numpy views
+        """Slot `slot`: its part's columns of its table; ids are clipped on a first part."""
+        s = self._slots[slot]
         self._gather[s.table_index](ids, out, s.col_offset, s.part == 0)
 
     def _serve(self) -> None:
@@ -143,7 +143,7 @@ class OffloadActor:
             end.watch(now)
             step = end.next_step()
             if step is not None:
-                gather = self._gather_layer
+                gather = self._gather_slot
                 if faults.ACTIVE:
                     gather = faults.before_gather(end.rank, b, b.ids[:b.token_count], gather)
                 end.publish(step, gather, cut)

@@ -8,11 +8,12 @@ loads the table from the checkpoint's safetensors (`table_file`, never through a
 it, and then hands the segment's fd to whoever connects (SCM_RIGHTS). Any holder takes the
 name over when the server goes, so the copy stays shareable while anyone holds it.
 
-The name is public and computable, so nothing it leads to is trusted (DESIGN.md section 3):
-a receiver checks the broker's uid (`SO_PEERCRED`) before it reads a byte, then the fd
-(`check_sealed`: owner, type, seals, and the size it computed from the checkpoint, not the
-one written in the segment) before it maps it; a name held by another user is one clear
-`PleEnvironmentError` at setup naming that user, never a hang and never its rows.
+The name is public and computable, so nothing it leads to is trusted
+(`docs/design-notes.md#shared-memory`, "Same user only"): a receiver checks the broker's uid
+(`SO_PEERCRED`) before it reads a byte, then the fd (`check_sealed`: owner, type, seals, and
+the size it computed from the checkpoint, not the one written in the segment) before it maps
+it; a name held by another user is one clear `PleEnvironmentError` at setup naming that user,
+never a hang and never its rows.
 """
 
 from __future__ import annotations

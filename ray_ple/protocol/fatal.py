@@ -49,7 +49,7 @@ class Failure(NamedTuple):
 
     reason: Reason
     detail: str
-    layer: int | None = None
+    slot: int | None = None  # the slot's index, where the rule concerns one
 
 
 def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
@@ -62,7 +62,7 @@ def mark_failed(block: ControlBlock | None, reason: Reason) -> None:
 
 
 def fail_closed(side: Side, reason: Reason, *, block: ControlBlock | None = None,
-                rank: int | None = None, layer: str | None = None, seq: int | None = None,
+                rank: int | None = None, slot: str | None = None, seq: int | None = None,
                 detail: str = "", **fields: Any) -> NoReturn:
     """End this process now; the pair is marked FAILED so that every watcher sees why.
 
@@ -72,7 +72,7 @@ def fail_closed(side: Side, reason: Reason, *, block: ControlBlock | None = None
     found_at = time.time()
     mark_failed(block, reason)
     log_event("verdict", level=logging.ERROR, ts=found_at, where=side.value,
-              reason=reason.name, rank=rank, layer=layer, seq=seq, detail=detail[:500],
+              reason=reason.name, rank=rank, slot=slot, seq=seq, detail=detail[:500],
               **fields)
     sys.stdout.flush()
     sys.stderr.flush()

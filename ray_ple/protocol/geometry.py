@@ -23,7 +23,7 @@ class ArchSpec(BaseModel):
     """How one vLLM architecture holds its PLE table."""
 
     model_config = ConfigDict(frozen=True)
-    layer_name: str
+    module: str  # the vLLM module that holds the table; the table's name
     offload_arch: str
     checkpoint_tensors: tuple[str, ...]
     late_waits: bool = False  # its offload class pulls each part at its first layer's gate
@@ -32,7 +32,7 @@ class ArchSpec(BaseModel):
 # Architectures whose PLE lookup ray-ple replaces (vLLM 0.32 module prefixes).
 ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma4ForCausalLM": ArchSpec(
-        layer_name="model.embed_tokens_per_layer",
+        module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=(
             "model.embed_tokens_per_layer.weight",
@@ -43,7 +43,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # The released E2B/E4B checkpoints: served text-only through the same class (vLLM's
     # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers).
     "Gemma4ForConditionalGeneration": ArchSpec(
-        layer_name="model.embed_tokens_per_layer",
+        module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
         late_waits=True,
@@ -51,7 +51,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # vLLM's own text Gemma3nForCausalLM never reads its PLE table (only its multimodal class
     # does); the offload class is that class's text path (worker/vllm_plugin/gemma3n.py).
     "Gemma3nForCausalLM": ArchSpec(
-        layer_name="model.embed_tokens_per_layer",
+        module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma3nForCausalLM",
         checkpoint_tensors=(
             "model.embed_tokens_per_layer.weight",
@@ -60,7 +60,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
     # The released E2B/E4B checkpoints: served text-only, images and audio refused.
     "Gemma3nForConditionalGeneration": ArchSpec(
-        layer_name="model.embed_tokens_per_layer",
+        module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma3nForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
     ),
@@ -71,7 +71,7 @@ class LayerGeometry(BaseModel):
     """One offloaded table: `rows` x `row_elems` of `dtype`; a token reads one row."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    layer_name: str
+    name: str  # the model module that holds it (`ArchSpec.module`); its slots' `table`
     rows: int = Field(gt=0)
     row_elems: int = Field(gt=0)
     dtype: DType
@@ -184,14 +184,14 @@ class PleGeometry(BaseModel):
             raise ValueError(f"parts {self.parts} do not split {offloaded} layers")
         for g in self.layers:
             if g.row_elems % self.row_layers:
-                raise ValueError(f"{g.layer_name}: {g.row_elems} values per row are not "
+                raise ValueError(f"{g.name}: {g.row_elems} values per row are not "
                                  f"{self.row_layers} layers")
         return self
 
     @property
-    def layer_names(self) -> tuple[str, ...]:
+    def table_names(self) -> tuple[str, ...]:
         """The offloaded tables (model modules), one per `layers` entry."""
-        return tuple(layer.layer_name for layer in self.layers)
+        return tuple(table.name for table in self.layers)
 
     @property
     def part_layers(self) -> tuple[int, ...]:
@@ -206,7 +206,7 @@ class PleGeometry(BaseModel):
             first = self.resident_layers
             for p, k in enumerate(self.part_layers):
                 out.append(SlotGeometry(
-                    name=slot_name(g.layer_name, p, n), table=g.layer_name, table_index=t,
+                    name=slot_name(g.name, p, n), table=g.name, table_index=t,
                     part=p, first_layer=first, num_layers=k, rows=g.rows, row_elems=k * d,
                     col_offset=first * d * ITEMSIZE[g.dtype], dtype=g.dtype))
                 first += k
@@ -270,7 +270,7 @@ def geometry_from_config(
     num_layers = int(text["num_hidden_layers"])
     rows = int(text.get("vocab_size_per_layer_input") or text["vocab_size"])
     layer = LayerGeometry(
-        layer_name=ARCHITECTURES[arch].layer_name,
+        name=ARCHITECTURES[arch].module,
         rows=rows,
         row_elems=num_layers * ple_dim,
         dtype=_engine_dtype(hf, engine_dtype),

@@ -33,7 +33,7 @@ from ray_ple.protocol.shm import SharedSegment, page_align
 
 LAYOUT_VERSION = 3  # 2: slots per part, a step stamp per slot, `sleeping`; 3: `announced`
 MAGIC = 0x31454C505941522E  # ".RAYPLE1"
-_HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_layers, max_tokens, token, fingerprint
+_HDR = struct.Struct("<QIIQ16s32s")  # magic, version, n_slots, max_tokens, token, fingerprint
 STATE_OFF, HB_WORKER_OFF, HB_OFFLOAD_OFF, POSTED_OFF, RELEASED_OFF = 128, 192, 256, 320, 384
 WORKER_PID_OFF, POST_NS_OFF, PUBLISH_NS_OFF, SLEEPING_OFF = 448, 512, 576, 640
 ANNOUNCED_OFF = 704
@@ -248,11 +248,11 @@ class ControlBlock:
     def released(self, v: int) -> None:
         self._released[0] = v
 
-    def published(self, layer: int) -> int:
-        return int(self._published[layer][0])
+    def published(self, slot: int) -> int:
+        return int(self._published[slot][0])
 
-    def set_published(self, layer: int, v: int) -> None:
-        self._published[layer][0] = v
+    def set_published(self, slot: int, v: int) -> None:
+        self._published[slot][0] = v
 
     def stamp(self, slot: int) -> int:
         """The step whose rows slot `slot` holds (written with the rows, before the flag)."""

@@ -5,7 +5,7 @@ any process of any user on the node can bind a free name or connect to a bound o
 channel checks the kernel's word on who is at the other end (`SO_PEERCRED` on a connected
 stream, `SCM_CREDENTIALS` on each datagram) and refuses any other uid; a name found taken by
 another user is one clear `PleEnvironmentError` at setup that names the holder, never a hang
-and never a silent fallback (DESIGN.md section 3).
+and never a silent fallback (`docs/design-notes.md#shared-memory`, "Same user only").
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The transaction: one per forward, per worker. Every rule of DESIGN sections 4 and 5, once.
+"""The transaction: one per forward, per worker. Every rule of a step, once.
+
+Why it is built this way: `docs/design-notes.md#the-transaction`.
 
 Timeline of step s (W = worker, O = offload actor, C = consumer: the GPU stream on CUDA, the
 engine thread on CPU; every counter lives in the pair's control block)::
@@ -40,7 +42,7 @@ Dummy, profiling and capture forwards never post: the worker runs them in phase 
 transport satisfies them locally and no counter moves. Invariants, checked by both sides and
 the supervisor with the functions below:
 
-    released <= published[layer] <= posted <= released + 1,  each counter grows by one;
+    released <= published[slot] <= posted <= released + 1,  each counter grows by one;
     posted <= announced (checked by the offload side as it takes a step).
 
 The one safety rule: forwards are serialized per worker and any doubt (a counter that jumps
@@ -107,7 +109,7 @@ def store_load_fence() -> None:
 
 # The rules -----------------------------------------------------------------------------------
 def invariant_violation(c: Counters) -> Failure | None:
-    """released <= published[layer] <= posted <= released + 1."""
+    """released <= published[slot] <= posted <= released + 1."""
     for i, p in enumerate(c.published):
         if not c.released <= p <= c.posted:
             return Failure(Reason.INVARIANT, f"published[{i}]={p} outside [released="
@@ -159,14 +161,14 @@ def stale_heartbeat(block: ControlBlock, side: Side, now_ns: int,
     return None
 
 
-def consumable(block: ControlBlock, layer: int, step: int, rows: int) -> Failure | None:
+def consumable(block: ControlBlock, slot: int, step: int, rows: int) -> Failure | None:
     """The consumer's check once a flag is up: rows of this step, as many as were posted."""
-    if block.published(layer) != step:
-        return Failure(Reason.INVARIANT, f"flag up but published={block.published(layer)} for "
-                       f"step {step}", layer)
-    if (f := stale_stamp(block, layer, step)) is not None:
+    if block.published(slot) != step:
+        return Failure(Reason.INVARIANT, f"flag up but published={block.published(slot)} for "
+                       f"step {step}", slot)
+    if (f := stale_stamp(block, slot, step)) is not None:
         return f
-    return token_rows(block.token_count, layer, step, rows)
+    return token_rows(block.token_count, slot, step, rows)
 
 
 def stale_stamp(block: ControlBlock, slot: int, step: int) -> Failure | None:
@@ -178,11 +180,11 @@ def stale_stamp(block: ControlBlock, slot: int, step: int) -> Failure | None:
     return None
 
 
-def token_rows(posted_rows: int, layer: int, step: int, rows: int) -> Failure | None:
+def token_rows(posted_rows: int, slot: int, step: int, rows: int) -> Failure | None:
     """A forward pulls exactly the T rows its step posted."""
     if rows != posted_rows:
         return Failure(Reason.GEOMETRY, f"forward pulls {rows} rows, step {step} posted "
-                       f"{posted_rows}", layer)
+                       f"{posted_rows}", slot)
     return None
 
 
@@ -263,17 +265,17 @@ class WorkerEnd:
     """The worker's half: begin a step before the forward, end it after its release."""
 
     def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines,
-                 layer_names: tuple[str, ...]) -> None:
+                 slot_names: tuple[str, ...]) -> None:
         check_memory_model()
         self.block, self.rank, self.deadlines = block, rank, deadlines
-        self.layer_names = layer_names
+        self.slot_names = slot_names
         self.step = block.posted
         self.rows = 0  # T of the step in flight, as this side posted or announced it
         self.phase = Phase.IDLE
 
     def fail(self, f: Failure, side: Side = Side.WORKER) -> NoReturn:
         fail_closed(side, f.reason, block=self.block, rank=self.rank, seq=self.step,
-                    layer=None if f.layer is None else self.layer_names[f.layer],
+                    slot=None if f.slot is None else self.slot_names[f.slot],
                     detail=f.detail)
 
     def begin(self, ids: np.ndarray, cut: Cut | None = None) -> int:
@@ -373,19 +375,19 @@ class WorkerEnd:
 
 
 class OffloadEnd:
-    """The offload actor's half: see each step exactly once, publish its rows per layer."""
+    """The offload actor's half: see each step exactly once, publish its rows slot by slot."""
 
     def __init__(self, block: ControlBlock, rank: int, deadlines: PleDeadlines,
-                 layer_names: tuple[str, ...]) -> None:
+                 slot_names: tuple[str, ...]) -> None:
         check_memory_model()
         self.block, self.rank, self.deadlines = block, rank, deadlines
-        self.layer_names = layer_names
+        self.slot_names = slot_names
         self.last = block.posted
         self._unreleased = step_deadline(deadlines)
 
     def fail(self, f: Failure) -> NoReturn:
         fail_closed(Side.OFFLOAD, f.reason, block=self.block, rank=self.rank, seq=self.last,
-                    layer=None if f.layer is None else self.layer_names[f.layer],
+                    slot=None if f.slot is None else self.slot_names[f.slot],
                     detail=f.detail)
 
     def watch(self, now_ns: int) -> None:
@@ -432,7 +434,7 @@ class OffloadEnd:
 
     def publish(self, step: int, gather: Callable[[int, np.ndarray, np.ndarray], None],
                 cut: Cut | None = None) -> None:
-        """Gather and publish every layer of `step`; `gather(layer, ids, out_rows)`."""
+        """Gather and publish every slot of `step`; `gather(slot, ids, out_rows)`."""
         b = self.block
         t = b.token_count
         if not 0 <= t <= b.layout.max_tokens:

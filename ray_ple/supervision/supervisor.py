@@ -81,7 +81,7 @@ class Verdict(Frozen):
     replica: str
     reason: str
     rank: int | None = None
-    layer: str | None = None
+    slot: str | None = None
     seq: int | None = None
     detail: str = ""
     detected_at: float
@@ -93,14 +93,14 @@ class Verdict(Frozen):
 
 class _Problem(Exception):
     def __init__(self, reason: Reason, detail: str, rank: int | None = None,
-                 layer: str | None = None, seq: int | None = None) -> None:
+                 slot: str | None = None, seq: int | None = None) -> None:
         super().__init__(detail)
-        self.reason, self.detail, self.rank, self.layer, self.seq = reason, detail, rank, layer, seq
+        self.reason, self.detail, self.rank, self.slot, self.seq = reason, detail, rank, slot, seq
 
     @classmethod
     def of(cls, f: Failure, handle: PairHandle, seq: int) -> _Problem:
-        layer = None if f.layer is None else handle.slot_names[f.layer]
-        return cls(f.reason, f.detail, rank=handle.rank, layer=layer, seq=seq)
+        slot = None if f.slot is None else handle.slot_names[f.slot]
+        return cls(f.reason, f.detail, rank=handle.rank, slot=slot, seq=seq)
 
 
 class _Watched:
@@ -325,7 +325,7 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - the processes are killed already
                 failures.append(f"ray.kill: {exc!r}")
             self._verdict = Verdict(replica=self.spec.tag, reason=p.reason.name, rank=p.rank,
-                                    layer=p.layer, seq=p.seq, detail=p.detail[:500],
+                                    slot=p.slot, seq=p.seq, detail=p.detail[:500],
                                     detected_at=detected_at)
             self._record(p, t0, failures)
         except Exception as exc:  # noqa: BLE001 - every process is killed; the rest is a record
@@ -349,7 +349,7 @@ class Supervisor:
 
     def _record(self, p: _Problem, t0: float, failures: list[str]) -> None:
         log_event("verdict", where=Side.SUPERVISOR.value, replica=self.spec.tag, rank=p.rank,
-                  layer=p.layer, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
+                  slot=p.slot, seq=p.seq, reason=p.reason.name, detail=p.detail[:500])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self._procs.running():
             time.sleep(0.005)

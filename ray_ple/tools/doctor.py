@@ -85,7 +85,7 @@ class DoctorArgs(Frozen):
 class TableNeed(Frozen):
     """One offloaded table as the offload actor will hold it (`table_store`)."""
 
-    layer_name: str
+    name: str  # the table's name (`LayerGeometry.name`)
     tensor: str  # the checkpoint tensor ("" where the checkpoint was not read)
     rows: int  # the per-layer vocabulary
     row_elems: int
@@ -116,7 +116,7 @@ class ModelNeeds(Frozen):
 
     def line(self) -> str:
         tables = "; ".join(
-            f"table {t.tensor or t.layer_name} [{t.rows}, {t.row_elems}] {t.dtype} {t.bytes} B "
+            f"table {t.tensor or t.name} [{t.rows}, {t.row_elems}] {t.dtype} {t.bytes} B "
             f"(segment {t.segment_bytes} B with its header page)" for t in self.tables)
         return (f"{self.model_id}: {tables}; slots {self.max_tokens} tokens x "
                 f"{self.slot_row_bytes} B in parts {list(self.parts)} after "
@@ -364,7 +364,7 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
             with TableFile.open(source) as table:
                 check_shape(table.loc, layer)  # what the offload actor checks as it loads
                 tensor = table.loc.name
-        tables.append(TableNeed(layer_name=layer.layer_name, tensor=tensor, rows=layer.rows,
+        tables.append(TableNeed(name=layer.name, tensor=tensor, rows=layer.rows,
                                 row_elems=layer.row_elems, dtype=layer.dtype,
                                 bytes=layer.table_bytes,
                                 segment_bytes=table_segment_size(layer)))
@@ -383,7 +383,7 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
 def node_args(needs: list[ModelNeeds], base: DoctorArgs) -> DoctorArgs:
     """`base` with the node's table and pair figures of `needs`: one table copy per distinct
     table on the node (replicas share it), one pair per engine worker."""
-    segments = {(n.checkpoint_dir, t.layer_name, t.dtype): t.segment_bytes
+    segments = {(n.checkpoint_dir, t.name, t.dtype): t.segment_bytes
                 for n in needs for t in n.tables}
     pairs = tuple(n.pair_bytes for n in needs for _ in range(n.workers))
     transports = {n.transport for n in needs}

@@ -1,6 +1,6 @@
 """The pull ops, each resolving this process's pair by slot name on every call:
 
-    pull(Tensor(a!) out, str layer_name)                  the rows of a slot, now
+    pull(Tensor(a!) out, str slot)                        the rows of a slot, now
     pull_async(Tensor(a!) out, str slot)                  start a slot's pull (CUDA: on a
                                                           side stream; CPU: nothing yet)
     pull_wait(Tensor(a!) out, Tensor after, str slot)     join it, ordered after `after`
@@ -44,9 +44,9 @@ import torch
 from ray_ple.worker import pair as worker_pair
 
 _LIB = torch.library.Library("ray_ple", "DEF")
-_LIB.define("pull(Tensor(a!) out, str layer_name) -> ()")
-_LIB.define("pull_async(Tensor(a!) out, str layer_name) -> ()")
-_LIB.define("pull_wait(Tensor(a!) out, Tensor after, str layer_name) -> ()")
+_LIB.define("pull(Tensor(a!) out, str slot) -> ()")
+_LIB.define("pull_async(Tensor(a!) out, str slot) -> ()")
+_LIB.define("pull_wait(Tensor(a!) out, Tensor after, str slot) -> ()")
 
 _piecewise: Callable[[], bool] = lambda: False  # noqa: E731 - no vLLM: never piecewise
 
@@ -57,30 +57,30 @@ def set_piecewise_probe(probe: Callable[[], bool]) -> None:
     _piecewise = probe
 
 
-def _pull(out: torch.Tensor, layer_name: str) -> None:
-    worker_pair.pull(layer_name, out)
+def _pull(out: torch.Tensor, slot: str) -> None:
+    worker_pair.pull(slot, out)
 
 
-def _pull_fake(out: torch.Tensor, layer_name: str) -> None:
+def _pull_fake(out: torch.Tensor, slot: str) -> None:
     return None
 
 
-def _pull_async(out: torch.Tensor, layer_name: str) -> None:
+def _pull_async(out: torch.Tensor, slot: str) -> None:
     if _piecewise() and torch.cuda.is_current_stream_capturing():
         return  # inside a piece: nothing to start, the join pulls in stream order
-    pair, index = worker_pair.resolve(layer_name)
+    pair, index = worker_pair.resolve(slot)
     pair.pull_async(index, out)
 
 
-def _pull_wait(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
-    pair, index = worker_pair.resolve(layer_name)
+def _pull_wait(out: torch.Tensor, after: torch.Tensor, slot: str) -> None:
+    pair, index = worker_pair.resolve(slot)
     if _piecewise() and not pair.transport.started(index):
         pair.pull(index, out)  # its start was captured in a piece and started nothing
     else:  # a join of no started pull is fatal here (the transport's checks)
         pair.pull_wait(index, out)
 
 
-def _pull_wait_fake(out: torch.Tensor, after: torch.Tensor, layer_name: str) -> None:
+def _pull_wait_fake(out: torch.Tensor, after: torch.Tensor, slot: str) -> None:
     return None
 
 
@@ -103,14 +103,14 @@ def eager_on_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def pull_rows(layer_name: str, num_tokens: int | torch.SymInt, row_elems: int,
+def pull_rows(slot: str, num_tokens: int | torch.SymInt, row_elems: int,
               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The offloaded lookup of one layer: `num_tokens x row_elems` rows of the step."""
+    """The offloaded lookup of one slot: `num_tokens x row_elems` rows of the step."""
     out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
     if eager_on_cpu(out):
-        _pull(out, layer_name)
+        _pull(out, slot)
     else:
-        torch.ops.ray_ple.pull(out, layer_name)
+        torch.ops.ray_ple.pull(out, slot)
     return out
 
 

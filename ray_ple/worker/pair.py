@@ -1,6 +1,6 @@
 """The worker's side of its pair: attach once per process, then bracket every forward.
 
-Holds the per-process registry keyed by layer name that the pull op resolves on every call,
+Holds the per-process registry keyed by slot name that the pull op resolves on every call,
 so that no address is ever an op argument or a constant a compile cache could keep.
 """
 
@@ -72,7 +72,7 @@ class WorkerPair:
         block.worker_pid = os.getpid()
         block.set_state(State.READY)
         pair._beater.start()
-        log_event("pair_attached", rank=rank, layers=list(handle.slot_names),
+        log_event("pair_attached", rank=rank, slots=list(handle.slot_names),
                   transport=transport, post=post, max_tokens=layout.max_tokens,
                   segment_bytes=layout.size)
         return pair
@@ -147,26 +147,26 @@ class WorkerPair:
         finally:
             self.worker.end_local()
 
-    def pull(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
-        self._consume(layer, out, self.transport.pull, self.transport.satisfy_locally)
+    def pull(self, slot: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(slot, out, self.transport.pull, self.transport.satisfy_locally)
 
-    def pull_async(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
-        self._consume(layer, out, self.transport.pull_async,
+    def pull_async(self, slot: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(slot, out, self.transport.pull_async,
                       self.transport.satisfy_locally_async)
 
-    def pull_wait(self, layer: int, out) -> None:  # noqa: ANN001 - torch.Tensor
-        self._consume(layer, out, self.transport.pull_wait, self.transport.satisfy_wait_locally)
+    def pull_wait(self, slot: int, out) -> None:  # noqa: ANN001 - torch.Tensor
+        self._consume(slot, out, self.transport.pull_wait, self.transport.satisfy_wait_locally)
 
-    def _consume(self, layer: int, out, in_step, in_local) -> None:  # noqa: ANN001
+    def _consume(self, slot: int, out, in_step, in_local) -> None:  # noqa: ANN001
         """By the worker's phase: the step's rows, local rows, or no transaction (fatal)."""
         phase = self.worker.phase
         if phase is Phase.STEP:
-            in_step(layer, out)
+            in_step(slot, out)
         elif phase is Phase.LOCAL:
-            in_local(layer, out)
+            in_local(slot, out)
         else:
             self.worker.fail(Failure(Reason.NO_TRANSACTION, "model pulled PLE rows outside any "
-                                     "forward ray-ple bracketed", layer), Side.CONSUMER)
+                                     "forward ray-ple bracketed", slot), Side.CONSUMER)
 
     def close(self) -> None:
         self._stop.set()
@@ -176,7 +176,7 @@ class WorkerPair:
 
 # Per-process registry ---------------------------------------------------------------------
 _PAIR: WorkerPair | None = None
-_LAYERS: dict[str, int] = {}
+_SLOTS: dict[str, int] = {}
 _LOCK = threading.Lock()
 
 
@@ -184,23 +184,23 @@ def current() -> WorkerPair | None:
     return _PAIR
 
 
-def resolve(layer_name: str) -> tuple[WorkerPair, int]:
-    """This process's live pair and the slot index of `layer_name` (the ops' only lookup)."""
+def resolve(slot: str) -> tuple[WorkerPair, int]:
+    """This process's live pair and the index of the slot named `slot` (the ops' only lookup)."""
     pair = _PAIR
-    index = _LAYERS.get(layer_name)
+    index = _SLOTS.get(slot)
     if pair is None or index is None:
-        raise PleHandleError(f"no ray-ple pair in this process serves layer {layer_name!r}")
+        raise PleHandleError(f"no ray-ple pair in this process serves slot {slot!r}")
     return pair, index
 
 
-def pull(layer_name: str, out) -> None:  # noqa: ANN001 - torch.Tensor
-    pair, index = resolve(layer_name)
+def pull(slot: str, out) -> None:  # noqa: ANN001 - torch.Tensor
+    pair, index = resolve(slot)
     pair.pull(index, out)
 
 
 def attach_process(expected: PleGeometry, *, rank: int, transport: str,
                    deadlines: PleDeadlines, heartbeat_s: float, post: str = "host") -> WorkerPair:
-    """Attach this process's pair once (idempotent), and register its layers by name."""
+    """Attach this process's pair once (idempotent), and register its slots by name."""
     global _PAIR
     with _LOCK:
         if _PAIR is not None:
@@ -212,7 +212,7 @@ def attach_process(expected: PleGeometry, *, rank: int, transport: str,
             raise PleHandleError(f"no pair handle for worker rank {rank} (have {sorted(handles)})")
         pair = WorkerPair.attach(handles[rank], expected, rank=rank, transport=transport,
                                  deadlines=deadlines, heartbeat_s=heartbeat_s, post=post)
-        _LAYERS.clear()
-        _LAYERS.update({name: i for i, name in enumerate(pair.handle.slot_names)})
+        _SLOTS.clear()
+        _SLOTS.update({name: i for i, name in enumerate(pair.handle.slot_names)})
         _PAIR = pair
         return pair

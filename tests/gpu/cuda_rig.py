@@ -41,7 +41,7 @@ from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
 
 REPO = Path(__file__).resolve().parents[2]  # the rig's processes run its modules from here
 
-LAYER = "model.embed_tokens_per_layer"
+TABLE = "model.embed_tokens_per_layer"
 TENSOR = "model.embed_tokens_per_layer.weight"
 ROW_ELEMS = 35 * 256  # Gemma 4 E2B/E4B-like: 35 layers x 256 dims, bf16 -> 17,920 B a row
 
@@ -80,9 +80,9 @@ def table_view(path: Path) -> np.memmap:
 def geometry(rows: int, max_tokens: int, parts: tuple[int, ...] = (),
              row_elems: int = ROW_ELEMS, resident_layers: int = 0) -> PleGeometry:
     """One table; `parts` (model layers per slot, 256 values each) splits its row into
-    slots named `LAYER#p` (late pull); `()` is one slot, the whole row, named `LAYER`.
+    slots named `TABLE#p` (late pull); `()` is one slot, the whole row, named `TABLE`.
     `resident_layers`: the first layers are the worker's own; the parts cover the rest."""
-    layer = LayerGeometry(layer_name=LAYER, rows=rows, row_elems=row_elems, dtype="bfloat16")
+    layer = LayerGeometry(name=TABLE, rows=rows, row_elems=row_elems, dtype="bfloat16")
     if not parts:
         return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens,
                            layers=(layer,))
@@ -139,7 +139,7 @@ class OffloadProcess:
 
 
 def attach(handle: PairHandle, geo: PleGeometry, transport: str) -> worker_pair.WorkerPair:
-    """Attach this process's pair exactly as a worker does (registry keyed by layer name)."""
+    """Attach this process's pair exactly as a worker does (registry keyed by slot name)."""
     os.environ.update(EngineHandles(pairs=(handle,)).env())
     return worker_pair.attach_process(geo, rank=0, transport=transport, deadlines=deadlines(),
                                       heartbeat_s=0.25)
@@ -159,16 +159,16 @@ def attach_another(handle: PairHandle, geo: PleGeometry, transport: str = "cuda"
 @contextmanager
 def registered(pair: worker_pair.WorkerPair) -> Iterator[worker_pair.WorkerPair]:
     """Point this process's registry at `pair` for the duration (restored after)."""
-    saved = worker_pair._PAIR, dict(worker_pair._LAYERS)
+    saved = worker_pair._PAIR, dict(worker_pair._SLOTS)
     worker_pair._PAIR = pair
-    worker_pair._LAYERS.clear()
-    worker_pair._LAYERS.update({n: i for i, n in enumerate(pair.handle.slot_names)})
+    worker_pair._SLOTS.clear()
+    worker_pair._SLOTS.update({n: i for i, n in enumerate(pair.handle.slot_names)})
     try:
         yield pair
     finally:
         worker_pair._PAIR = saved[0]
-        worker_pair._LAYERS.clear()
-        worker_pair._LAYERS.update(saved[1])
+        worker_pair._SLOTS.clear()
+        worker_pair._SLOTS.update(saved[1])
 
 
 def part_slots(geo: PleGeometry) -> list[tuple[str, int, int]]:
@@ -182,7 +182,7 @@ class StandIn(torch.nn.Module):
 
     def __init__(self, rows: int, row_elems: int = ROW_ELEMS) -> None:
         super().__init__()
-        self.ple = PleOffloadEmbedding(LAYER, row_elems, torch.bfloat16)
+        self.ple = PleOffloadEmbedding(TABLE, row_elems, torch.bfloat16)
         self.rows, self.words = rows, row_elems // 2
         self.register_buffer("cols", torch.arange(self.words, dtype=torch.int32),
                              persistent=False)
@@ -515,7 +515,7 @@ def compile_scenario(role: str, work: Path, rows: int, t: int, steps: int,
                      parts: tuple[int, ...] = ()) -> dict[str, Any]:
     """`save`: compile + save + run; `load`: new process, new segment, load + run. With
     `parts`, the late pull (`LateStandIn`: every part's `pull_async`, then each
-    `pull_wait`), whose ops name a slot (`LAYER#p`) where the single pull names the table."""
+    `pull_wait`), whose ops name a slot (`TABLE#p`) where the single pull names the table."""
     import mmap
     import secrets
 

@@ -280,7 +280,7 @@ def test_late_pull_graph_closed_loop_rows_verified(late, t: int, copy_mode: str,
     assert pair.block.posted == before, "a capture must not post"
     rec = graph.record
     assert rec.rows == t
-    assert [(c.layer, c.nbytes, c.late) for c in rec.copies] == [
+    assert [(c.slot, c.nbytes, c.late) for c in rec.copies] == [
         (i, t * 3584, True) for i in range(len(PARTS))]
     # auto: a late copy goes to the copy engine (it runs beside the layers)
     assert {c.mode for c in rec.copies} == {"dma" if copy_mode == "auto" else copy_mode}
@@ -306,7 +306,7 @@ def test_late_pull_after_resident_layers_graph_closed_loop_rows_verified(ckpt: P
         with rig.registered(pair):
             assert _late_engine(pair, geo, 64, seed=500).eager(50) == 0
             graph = _late_engine(pair, geo, 64, seed=501).capture()
-        assert [(c.layer, c.nbytes) for c in graph.record.copies] == [
+        assert [(c.slot, c.nbytes) for c in graph.record.copies] == [
             (i, 64 * 3584) for i in range(len(PARTS) - 1)]
         assert graph.run(300) == 0
         c = pair.block.counters()
@@ -330,7 +330,7 @@ def test_piecewise_forward_pulls_each_part_in_stream_at_its_wait(
     with rig.registered(pair):
         assert _late_engine(pair, geo, 8, seed=400).eager(100) == 0
         graph = _late_engine(pair, geo, 8, seed=401).capture()
-    assert [(c.layer, c.late) for c in graph.record.copies] == [
+    assert [(c.slot, c.late) for c in graph.record.copies] == [
         (i, False) for i in range(len(PARTS))]
     assert graph.run(300) == 0
     c = pair.block.counters()
@@ -399,7 +399,7 @@ def test_rig_late_pull_on_the_cpu_transport(ckpt: Path) -> None:
         "print(json.dumps({'wrong': e.eager(100), 'c': [p.block.posted, p.block.released], "
         "'slots': list(p.handle.slot_names)})); o.close()", ckpt)
     assert out["wrong"] == 0 and out["c"] == [100, 100]
-    assert out["slots"] == [f"{rig.LAYER}#{i}" for i in range(len(PARTS))]
+    assert out["slots"] == [f"{rig.TABLE}#{i}" for i in range(len(PARTS))]
 
 
 def test_rig_late_pull_after_resident_layers_on_the_cpu_transport(ckpt: Path) -> None:

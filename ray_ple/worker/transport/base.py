@@ -1,7 +1,7 @@
-"""The transport interface: how the consumer of DESIGN section 4 (steps 3 and 4) moves rows.
+"""The transport interface: how the consumer (`C` in `protocol/transaction.py`) moves rows.
 
 The transaction rules (what may be posted, published, released, and when) stay in
-`ray_ple.protocol.transaction`; a transport only waits on a layer's flag, copies its rows and
+`ray_ple.protocol.transaction`; a transport only waits on a slot's flag, copies its rows and
 performs the release, in the consumer's order (the engine thread on CPU, the model stream on
 CUDA). It reads the step's phase from its `WorkerEnd` and keeps none of its own.
 A second CUDA transport (UVA zero-copy from the node table) would implement this same class.
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class Transport(ABC):
-    """Consumer side of one pair (one worker), for every offloaded layer of it."""
+    """Consumer side of one pair (one worker), for every slot of it."""
 
     name: ClassVar[str]
 
@@ -33,37 +33,37 @@ class Transport(ABC):
         self.worker, self.block, self.deadlines = worker, worker.block, worker.deadlines
         self.dtype = dtype
 
-    def _fail(self, reason: Reason, layer: int, detail: str) -> NoReturn:
-        self.worker.fail(Failure(reason, detail, layer), Side.CONSUMER)
+    def _fail(self, reason: Reason, slot: int, detail: str) -> NoReturn:
+        self.worker.fail(Failure(reason, detail, slot), Side.CONSUMER)
 
     @abstractmethod
-    def pull(self, layer: int, out: torch.Tensor) -> None:
-        """Wait until `layer`'s rows of the step in flight are published; copy them into `out`."""
+    def pull(self, slot: int, out: torch.Tensor) -> None:
+        """Wait until `slot`'s rows of the step in flight are published; copy them into `out`."""
 
     @abstractmethod
-    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_locally(self, slot: int, out: torch.Tensor) -> None:
         """A dummy/profile/capture forward: rows come from here, counters do not move."""
 
-    def pull_async(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027 - optional
-        """Start `layer`'s pull; `pull_wait` joins it just before the rows are read. A
+    def pull_async(self, slot: int, out: torch.Tensor) -> None:  # noqa: B027 - optional
+        """Start `slot`'s pull; `pull_wait` joins it just before the rows are read. A
         synchronous transport (CPU) starts nothing: its join waits and copies."""
 
-    def started(self, layer: int) -> bool:
-        """Has this forward started `layer`'s pull (`pull_async`) and not yet joined it?
+    def started(self, slot: int) -> bool:
+        """Has this forward started `slot`'s pull (`pull_async`) and not yet joined it?
         Under piecewise graphs a join of a pull never started (a start captured in a piece)
         pulls in consumer order instead (`ray_ple.worker.ops`)."""
         return False
 
-    def pull_wait(self, layer: int, out: torch.Tensor) -> None:
-        """`layer`'s rows of the step are in `out` once this returns (in consumer order)."""
-        self.pull(layer, out)
+    def pull_wait(self, slot: int, out: torch.Tensor) -> None:
+        """`slot`'s rows of the step are in `out` once this returns (in consumer order)."""
+        self.pull(slot, out)
 
-    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:  # noqa: B027
+    def satisfy_locally_async(self, slot: int, out: torch.Tensor) -> None:  # noqa: B027
         """`pull_async` in a local forward."""
 
-    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_wait_locally(self, slot: int, out: torch.Tensor) -> None:
         """`pull_wait` in a local forward."""
-        self.satisfy_locally(layer, out)
+        self.satisfy_locally(slot, out)
 
     def check_stream_ids(self, ids: torch.Tensor) -> None:
         """Refuse, before anything is announced, ids a stream post could not read."""
@@ -76,7 +76,7 @@ class Transport(ABC):
 
     @abstractmethod
     def release(self, step: int) -> None:
-        """Reset every layer's flag, then advance `released` to `step`, in consumer order."""
+        """Reset every slot's flag, then advance `released` to `step`, in consumer order."""
 
     @contextmanager
     def local_forward(self) -> Iterator[None]:

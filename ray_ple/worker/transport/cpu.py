@@ -18,12 +18,12 @@ if TYPE_CHECKING:
     from ray_ple.protocol.transaction import WorkerEnd
 
 
-def slot_tensor(block: ControlBlock, layer: int, dtype: torch.dtype) -> torch.Tensor:
+def slot_tensor(block: ControlBlock, slot: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-copy torch view of one output slot, `max_tokens x row_elems`."""
     layout = block.layout
-    nbytes = layout.max_tokens * layout.row_bytes[layer]
+    nbytes = layout.max_tokens * layout.row_bytes[slot]
     raw = torch.frombuffer(block.segment.map, dtype=torch.uint8, count=nbytes,
-                           offset=layout.slot_offsets[layer])
+                           offset=layout.slot_offsets[slot])
     return raw.view(dtype).view(layout.max_tokens, -1)
 
 
@@ -35,25 +35,25 @@ class CpuTransport(Transport):
         tdtype = getattr(torch, dtype)
         self._slots = [slot_tensor(self.block, i, tdtype) for i in range(len(self.block.flags))]
 
-    def pull(self, layer: int, out: torch.Tensor) -> None:
+    def pull(self, slot: int, out: torch.Tensor) -> None:
         b, w = self.block, self.worker
-        flag = b.flags[layer]
+        flag = b.flags[slot]
         t_enter = time.monotonic_ns() if timing.ENABLED else 0
         if not wait_until(lambda: int(flag[0]) == 1, self.deadlines.step_s,
                           abort=lambda: b.state is not State.READY):
             if b.state is not State.READY:
-                self._fail(Reason.PEER_FAILED, layer, f"pair went {b.state.name} mid-step")
-            self._fail(Reason.CONSUME_WAIT, layer,
+                self._fail(Reason.PEER_FAILED, slot, f"pair went {b.state.name} mid-step")
+            self._fail(Reason.CONSUME_WAIT, slot,
                        f"rows not published in {self.deadlines.step_s}s")
         t_seen = time.monotonic_ns() if timing.ENABLED else 0
         t = out.shape[0]
-        if (f := consumable(b, layer, w.step, t)) is not None:
+        if (f := consumable(b, slot, w.step, t)) is not None:
             w.fail(f, Side.CONSUMER)
-        out.copy_(self._slots[layer][:t])
+        out.copy_(self._slots[slot][:t])
         if timing.ENABLED:
             timing.record("pull", t, t_enter, t_seen, time.monotonic_ns())
 
-    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_locally(self, slot: int, out: torch.Tensor) -> None:
         out.zero_()
 
     def release(self, step: int) -> None:

@@ -1,4 +1,4 @@
-"""CUDA transport: the consumer of DESIGN section 4 (steps 3 and 4) on the model stream.
+"""CUDA transport: the consumer (`C` in `protocol/transaction.py`) on the model stream.
 
 Setup (once per process, in the worker): the pair segment is page-locked and device-mapped
 (`cuMemHostRegister(PORTABLE | DEVICEMAP)`, kept for the life of the process), the device is
@@ -6,8 +6,8 @@ checked for mapped host memory and stream memory operations, and the two kernels
 
 Per forward, all in stream order on the current torch stream, all capturable::
 
-    pull(layer, out)   cuStreamWaitValue32(flag[layer] == 1)
-                       stamp[layer] == released + 1, else reason + FAILED + trap
+    pull(slot, out)   cuStreamWaitValue32(flag[slot] == 1)
+                       stamp[slot] == released + 1, else reason + FAILED + trap
                        copy T x row_bytes slot -> out   (SM kernel with ld.cv for small
                                                          steps, cuMemcpyHtoDAsync above)
     release(step)      ple_release: flag[*] = 0, system fence, released += 1
@@ -21,12 +21,12 @@ post: only a pull needs the step, and it waits for the step's rows.
 The late pull splits the same into two ops, so that a slot (one part of a table's row: a
 group of consecutive model layers) arrives while the earlier layers run::
 
-    pull_async(layer, out)   fork: the side stream waits for the model stream here (after
+    pull_async(slot, out)   fork: the side stream waits for the model stream here (after
                              the previous step's release, so a flag it sees up is this
                              step's), then, on the side stream: wait flag, stamp check,
                              copy (on the copy engine: an SM copy beside the layers would
-                             hold SMs that their GEMMs need), record done[layer]
-    pull_wait(layer, out)    the model stream waits for done[layer] (just before the part is
+                             hold SMs that their GEMMs need), record done[slot]
+    pull_wait(slot, out)    the model stream waits for done[slot] (just before the part is
                              consumed); every async pull of a step must be waited before its
                              release, which stays on the model stream and the only reset
 
@@ -48,7 +48,7 @@ the offload actor's step deadline ends the replica.
 Local forwards (dummy, profile, capture) never touch the offload actor. Eager ones get zero
 rows and move no word (a flag set and reset by a forward nobody posted could race the next
 real step's publish). A capture records the real wait and copy into the graph, and the
-geometry it captured (rows and bytes per layer) is kept as a `CaptureRecord`. A replay is
+geometry it captured (rows and bytes per slot) is kept as a `CaptureRecord`. A replay is
 declared to no one (vLLM's runner replays its own graphs): a step that no pull consumed is
 released only if a graph was captured for its token count.
 """
@@ -109,10 +109,10 @@ LATE_COPY_BLOCKS = 0  # most blocks of a late SM copy, 0: up to 8 per SM (bench/
 STAMP_REASON = Reason.INVARIANT  # the reason a stamp mismatch writes
 
 
-class LayerCopy(Frozen):
+class SlotCopy(Frozen):
     """One pull as a graph captured it."""
 
-    layer: int
+    slot: int
     rows: int
     nbytes: int
     mode: Literal["dma", "sm"]
@@ -123,7 +123,7 @@ class CaptureRecord(Frozen):
     """What one captured forward will do on every replay."""
 
     rows: int
-    copies: tuple[LayerCopy, ...]
+    copies: tuple[SlotCopy, ...]
 
 
 _KERNELS: dict[int, Kernels] = {}
@@ -192,7 +192,7 @@ class CudaTransport(Transport):
         self._pulled: list[int] = [-1] * self._nflags
         self._waited: list[int] = [-1] * self._nflags
         self._capture_pending: set[int] = set()
-        self._capture: list[LayerCopy] | None = None
+        self._capture: list[SlotCopy] | None = None
         self.captures: dict[int, list[CaptureRecord]] = {}  # token count -> graphs captured
         log_event("cuda_transport_ready", rank=worker.rank, device=self.device,
                   gpu=self.caps.name, driver=self.caps.driver_version,
@@ -246,50 +246,50 @@ class CudaTransport(Transport):
             return "sm"
         return "dma"
 
-    def _enqueue(self, layer: int, out: torch.Tensor, nbytes: int, stream: int,
+    def _enqueue(self, slot: int, out: torch.Tensor, nbytes: int, stream: int,
                  max_blocks: int = 0, late: bool = False) -> Literal["dma", "sm"]:
         d = driver()
-        check(d.cuStreamWaitValue32(stream, self._flag_dev[layer], 1,
+        check(d.cuStreamWaitValue32(stream, self._flag_dev[slot], 1,
                                     d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
               "cuStreamWaitValue32(flag == 1)")
         dst = out.data_ptr()
         mode = self._mode(nbytes, dst, late)
         if mode == "sm" and nbytes:
-            self.kernels.launch_copy(self._slot_dev[layer], dst, nbytes, stream,
-                                     self._stamp[layer], max_blocks)
+            self.kernels.launch_copy(self._slot_dev[slot], dst, nbytes, stream,
+                                     self._stamp[slot], max_blocks)
         else:
-            self.kernels.launch_check(self._stamp[layer], stream)
+            self.kernels.launch_check(self._stamp[slot], stream)
             if nbytes:
-                check(d.cuMemcpyHtoDAsync(dst, self._slot_host[layer], nbytes, stream),
+                check(d.cuMemcpyHtoDAsync(dst, self._slot_host[slot], nbytes, stream),
                       "cuMemcpyHtoDAsync(slot)")
         return mode
 
-    def _enqueue_late(self, layer: int, out: torch.Tensor, nbytes: int,
+    def _enqueue_late(self, slot: int, out: torch.Tensor, nbytes: int,
                       model: int) -> Literal["dma", "sm"]:
-        """Fork the side stream off `model` here, pull there, record done[layer]."""
+        """Fork the side stream off `model` here, pull there, record done[slot]."""
         d = driver()
         side = self._side.cuda_stream
         check(d.cuEventRecord(self._fork, model), "cuEventRecord(fork)")
         check(d.cuStreamWaitEvent(side, self._fork, 0), "cuStreamWaitEvent(side, fork)")
-        mode = self._enqueue(layer, out, nbytes, side, LATE_COPY_BLOCKS, late=True)
-        check(d.cuEventRecord(self._done[layer], side), "cuEventRecord(done)")
+        mode = self._enqueue(slot, out, nbytes, side, LATE_COPY_BLOCKS, late=True)
+        check(d.cuEventRecord(self._done[slot], side), "cuEventRecord(done)")
         return mode
 
-    def _join(self, layer: int, model: int) -> None:
-        """`model` waits for done[layer] (of the fork in this step, or in this capture)."""
+    def _join(self, slot: int, model: int) -> None:
+        """`model` waits for done[slot] (of the fork in this step, or in this capture)."""
         d = driver()
-        check(d.cuStreamWaitEvent(model, self._done[layer], 0), "cuStreamWaitEvent(done)")
+        check(d.cuStreamWaitEvent(model, self._done[slot], 0), "cuStreamWaitEvent(done)")
 
-    def _geometry(self, layer: int, out: torch.Tensor) -> int:
+    def _geometry(self, slot: int, out: torch.Tensor) -> int:
         """Bytes to copy for `out`; fatal if `out` is not a dense CUDA view of whole rows."""
         rows = out.shape[0] if out.dim() else -1
         nbytes = out.numel() * out.element_size()
         if (out.device.type != "cuda" or not out.is_contiguous()
                 or not 0 <= rows <= self.block.layout.max_tokens
-                or nbytes != rows * self._row_bytes[layer]):
-            self._fail(Reason.GEOMETRY, layer,
+                or nbytes != rows * self._row_bytes[slot]):
+            self._fail(Reason.GEOMETRY, slot,
                        f"pull into {tuple(out.shape)} {out.dtype} on {out.device} (contiguous="
-                       f"{out.is_contiguous()}): not whole rows of {self._row_bytes[layer]} B "
+                       f"{out.is_contiguous()}): not whole rows of {self._row_bytes[slot]} B "
                        f"within {self.block.layout.max_tokens} tokens")
         return nbytes
 
@@ -322,83 +322,83 @@ class CudaTransport(Transport):
         self.kernels.launch_post(self._base_dev, ids.data_ptr(), w.rows, self._post_words,
                                  side, self._post_params)
 
-    def pull(self, layer: int, out: torch.Tensor) -> None:
-        nbytes = self._check_pull(layer, out)
-        self._enqueue(layer, out, nbytes, self._stream())
-        self._pulled[layer] = self._waited[layer] = self.worker.step
+    def pull(self, slot: int, out: torch.Tensor) -> None:
+        nbytes = self._check_pull(slot, out)
+        self._enqueue(slot, out, nbytes, self._stream())
+        self._pulled[slot] = self._waited[slot] = self.worker.step
 
-    def _check_pull(self, layer: int, out: torch.Tensor) -> int:
+    def _check_pull(self, slot: int, out: torch.Tensor) -> int:
         """The host checks of every pull of the step in flight; the bytes to copy."""
         w = self.worker
         if torch.cuda.is_current_stream_capturing():
-            self._fail(Reason.STATE, layer, f"step {w.step} is being captured into a graph; "
+            self._fail(Reason.STATE, slot, f"step {w.step} is being captured into a graph; "
                        "captures must run as local forwards")
-        nbytes = self._geometry(layer, out)
-        if (f := token_rows(w.rows, layer, w.step, out.shape[0])) is not None:
+        nbytes = self._geometry(slot, out)
+        if (f := token_rows(w.rows, slot, w.step, out.shape[0])) is not None:
             w.fail(f, Side.CONSUMER)
-        if self._pulled[layer] == w.step:
-            self._fail(Reason.INVARIANT, layer, f"rows of step {w.step} pulled twice")
+        if self._pulled[slot] == w.step:
+            self._fail(Reason.INVARIANT, slot, f"rows of step {w.step} pulled twice")
         return nbytes
 
-    def pull_async(self, layer: int, out: torch.Tensor) -> None:
-        """Start `layer`'s pull on the side stream; `pull_wait` joins it before its use."""
-        nbytes = self._check_pull(layer, out)
-        self._enqueue_late(layer, out, nbytes, self._stream())
-        self._pulled[layer] = self.worker.step
+    def pull_async(self, slot: int, out: torch.Tensor) -> None:
+        """Start `slot`'s pull on the side stream; `pull_wait` joins it before its use."""
+        nbytes = self._check_pull(slot, out)
+        self._enqueue_late(slot, out, nbytes, self._stream())
+        self._pulled[slot] = self.worker.step
 
-    def pull_wait(self, layer: int, out: torch.Tensor) -> None:
-        """The model stream waits for `layer`'s async pull of the step in flight."""
+    def pull_wait(self, slot: int, out: torch.Tensor) -> None:
+        """The model stream waits for `slot`'s async pull of the step in flight."""
         step = self.worker.step
-        if self._pulled[layer] != step or self._waited[layer] == step:
-            self._fail(Reason.INVARIANT, layer, f"wait for rows of step {step} that were "
+        if self._pulled[slot] != step or self._waited[slot] == step:
+            self._fail(Reason.INVARIANT, slot, f"wait for rows of step {step} that were "
                        "not pulled asynchronously, or waited twice")
-        self._join(layer, self._stream())
-        self._waited[layer] = step
+        self._join(slot, self._stream())
+        self._waited[slot] = step
 
-    def started(self, layer: int) -> bool:
-        """Has `layer`'s async pull of this forward been started and not yet joined?"""
+    def started(self, slot: int) -> bool:
+        """Has `slot`'s async pull of this forward been started and not yet joined?"""
         w = self.worker
         if w.phase is Phase.STEP:
-            return self._pulled[layer] == w.step and self._waited[layer] != w.step
-        return layer in self._capture_pending
+            return self._pulled[slot] == w.step and self._waited[slot] != w.step
+        return slot in self._capture_pending
 
-    def satisfy_locally_async(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_locally_async(self, slot: int, out: torch.Tensor) -> None:
         """`pull_async` in a local forward: zero rows eagerly; a capture records the fork."""
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
             return
-        self._check_local_capture(layer)
-        nbytes = self._geometry(layer, out)
-        mode = self._enqueue_late(layer, out, nbytes, self._stream())
-        self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode,
+        self._check_local_capture(slot)
+        nbytes = self._geometry(slot, out)
+        mode = self._enqueue_late(slot, out, nbytes, self._stream())
+        self._capture.append(SlotCopy(slot=slot, rows=out.shape[0], nbytes=nbytes, mode=mode,
                                        late=True))
-        self._capture_pending.add(layer)
+        self._capture_pending.add(slot)
 
-    def satisfy_wait_locally(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_wait_locally(self, slot: int, out: torch.Tensor) -> None:
         """`pull_wait` in a local forward: nothing eagerly; a capture records the join of the
         fork it captured."""
         if not torch.cuda.is_current_stream_capturing():
             return
-        if self._capture is None or layer not in self._capture_pending:
-            self._fail(Reason.INVARIANT, layer, "captured wait for a layer whose async pull "
+        if self._capture is None or slot not in self._capture_pending:
+            self._fail(Reason.INVARIANT, slot, "captured wait for a slot whose async pull "
                        "this capture did not start, or waited twice")
-        self._join(layer, self._stream())
-        self._capture_pending.discard(layer)
+        self._join(slot, self._stream())
+        self._capture_pending.discard(slot)
 
-    def _check_local_capture(self, layer: int) -> None:
+    def _check_local_capture(self, slot: int) -> None:
         if self.worker.phase is not Phase.LOCAL or self._capture is None:
-            self._fail(Reason.STATE, layer, "capture outside a local forward")
-        if any(c.layer == layer for c in self._capture):
-            self._fail(Reason.INVARIANT, layer, "one captured forward pulls a layer twice")
+            self._fail(Reason.STATE, slot, "capture outside a local forward")
+        if any(c.slot == slot for c in self._capture):
+            self._fail(Reason.INVARIANT, slot, "one captured forward pulls a slot twice")
 
-    def satisfy_locally(self, layer: int, out: torch.Tensor) -> None:
+    def satisfy_locally(self, slot: int, out: torch.Tensor) -> None:
         if not torch.cuda.is_current_stream_capturing():
             out.zero_()
             return
-        self._check_local_capture(layer)
-        nbytes = self._geometry(layer, out)
-        mode = self._enqueue(layer, out, nbytes, self._stream())
-        self._capture.append(LayerCopy(layer=layer, rows=out.shape[0], nbytes=nbytes, mode=mode))
+        self._check_local_capture(slot)
+        nbytes = self._geometry(slot, out)
+        mode = self._enqueue(slot, out, nbytes, self._stream())
+        self._capture.append(SlotCopy(slot=slot, rows=out.shape[0], nbytes=nbytes, mode=mode))
 
     def _launch_release(self, stream: int) -> None:
         self.kernels.launch_release(self._base_dev, self._nflags, self._flag0, SLOT_STRIDE,
@@ -415,18 +415,18 @@ class CudaTransport(Transport):
             copies, self._capture = self._capture, None
             if self._capture_pending:
                 self._fail(Reason.GEOMETRY, min(self._capture_pending),
-                           f"captured async pulls of layers {sorted(self._capture_pending)} "
+                           f"captured async pulls of slots {sorted(self._capture_pending)} "
                            "were never waited")
             if copies:
                 self._store_capture(copies)
 
-    def _store_capture(self, copies: list[LayerCopy]) -> None:
+    def _store_capture(self, copies: list[SlotCopy]) -> None:
         rows = {c.rows for c in copies}
-        layers = sorted(c.layer for c in copies)
-        if len(rows) != 1 or layers != list(range(self._nflags)):
-            self._fail(Reason.GEOMETRY, layers[0],
-                       f"captured forward copies rows {sorted(rows)} for layers {layers}; "
-                       f"every one of the {self._nflags} layers must be consumed once, at the "
+        slots = sorted(c.slot for c in copies)
+        if len(rows) != 1 or slots != list(range(self._nflags)):
+            self._fail(Reason.GEOMETRY, slots[0],
+                       f"captured forward copies rows {sorted(rows)} for slots {slots}; "
+                       f"every one of the {self._nflags} slots must be consumed once, at the "
                        "same token count")
         rec = CaptureRecord(rows=rows.pop(), copies=tuple(copies))
         self.captures.setdefault(rec.rows, []).append(rec)
@@ -439,11 +439,11 @@ class CudaTransport(Transport):
         self._launch_release(self._stream())
 
     def _check_consumed(self, step: int) -> None:
-        """Every layer's rows of `step` went to exactly one consumer of the right size."""
+        """Every slot's rows of `step` went to exactly one consumer of the right size."""
         pulled = [i for i, p in enumerate(self._pulled) if p == step]
         if not pulled:
             # a graph replayed (vLLM's runner declares no replay): a capture of this token
-            # count must exist, and it copies exactly these rows for every layer
+            # count must exist, and it copies exactly these rows for every slot
             t = self.worker.rows
             if not self.captures.get(t):
                 self._fail(Reason.GEOMETRY, 0,
@@ -452,10 +452,10 @@ class CudaTransport(Transport):
             return
         unwaited = [i for i in pulled if self._waited[i] != step]
         if unwaited:
-            self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of layers "
+            self._fail(Reason.GEOMETRY, unwaited[0], f"step {step}: async pulls of slots "
                        f"{unwaited} were never waited before the release")
         if pulled != list(range(self._nflags)):
-            self._fail(Reason.GEOMETRY, 0, f"step {step}: layers pulled {pulled}; each of "
+            self._fail(Reason.GEOMETRY, 0, f"step {step}: slots pulled {pulled}; each of "
                        f"{self._nflags} must be consumed once")
 
     def close(self) -> None:

@@ -369,7 +369,7 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
         if not isinstance(model, PleOffloadGemma4Model):
             raise PleModelError(f"expected PleOffloadGemma4Model, vLLM built "
                                 f"{type(model).__name__}")
-        model.set_parts(settings.geometry.slots_of(layer.layer_name),
+        model.set_parts(settings.geometry.slots_of(layer.name),
                         settings.geometry.resident_layers)
 
     def load_weights(self, weights: Iterable[Weight]) -> set[str]:

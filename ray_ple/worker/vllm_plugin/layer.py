@@ -38,22 +38,22 @@ def offload_embedding(layer: LayerGeometry, model_name: str,
                       dtype: torch.dtype) -> PleOffloadEmbedding:
     """The module that replaces the model's PLE lookup, once names and dtype agree."""
     name = f"{model_name}.embed_tokens_per_layer"
-    if name != layer.layer_name:
-        raise PleHandleError(f"model's PLE layer is {name!r}, handles name {layer.layer_name!r}")
+    if name != layer.name:
+        raise PleHandleError(f"model's PLE module is {name!r}, handles name {layer.name!r}")
     if dtype != getattr(torch, layer.dtype):
         raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
                              f"{layer.dtype}")
-    return PleOffloadEmbedding(layer.layer_name, layer.row_elems, dtype)
+    return PleOffloadEmbedding(layer.name, layer.row_elems, dtype)
 
 
 class PleOffloadEmbedding(nn.Module):
-    def __init__(self, layer_name: str, row_elems: int, dtype: torch.dtype) -> None:
+    def __init__(self, slot: str, row_elems: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layer_name, self.row_elems, self.dtype = layer_name, row_elems, dtype
+        self.slot, self.row_elems, self.dtype = slot, row_elems, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return pull_rows(self.layer_name, input_ids.shape[0], self.row_elems, self.dtype,
+        return pull_rows(self.slot, input_ids.shape[0], self.row_elems, self.dtype,
                          input_ids.device)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_name}, row_elems={self.row_elems}, dtype={self.dtype}, offloaded"
+        return f"slot={self.slot}, row_elems={self.row_elems}, dtype={self.dtype}, offloaded"
