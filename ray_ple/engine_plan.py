@@ -30,8 +30,8 @@ def table_sources(geometry: PleGeometry, checkpoint_dir: str,
                   tensor: str | None) -> tuple[TableSource, ...]:
     """The checkpoint tensor of each offloaded table (the `ple.table_tensor` override first)."""
     names = (tensor,) if tensor else ARCHITECTURES[geometry.architecture].checkpoint_tensors
-    return tuple(TableSource(checkpoint_dir=checkpoint_dir, tensor_names=names, layer=layer)
-                 for layer in geometry.layers)
+    return tuple(TableSource(checkpoint_dir=checkpoint_dir, tensor_names=names, table=table)
+                 for table in geometry.tables)
 
 
 class OffloadPlan(Frozen):

@@ -7,7 +7,7 @@ supervisor, checked against the tensor by the table store before a row is served
 from __future__ import annotations
 
 from ray_ple.base import Frozen
-from ray_ple.protocol.geometry import LayerGeometry
+from ray_ple.protocol.geometry import TableGeometry
 
 
 class TableSource(Frozen):
@@ -15,4 +15,4 @@ class TableSource(Frozen):
 
     checkpoint_dir: str
     tensor_names: tuple[str, ...]
-    layer: LayerGeometry
+    table: TableGeometry

@@ -84,7 +84,7 @@ def _worker_main(handle: dict, geometry: dict, steps: list[list[int]], table_pat
     pair = WorkerPair.attach(PairHandle.model_validate(handle), geo, rank=handle["rank"],
                              transport="cpu", deadlines=PleDeadlines(step_s=10.0),
                              heartbeat_s=0.05)
-    layer = geo.layers[0]
+    layer = geo.tables[0]
     bad = 0
     for i, ids in enumerate(steps):
         if pause_at is not None and i == pause_at:

@@ -96,6 +96,6 @@ def test_k8s_sizing_knows_the_released_gemma3n_tables(source, layers):
     from ray_ple.tools.k8s.sizing import checkpoint_config
 
     (table,) = geometry_from_config(checkpoint_config(source, "gemma-3n", {}),
-                                    max_tokens=8192).layers
+                                    max_tokens=8192).tables
     assert (table.rows, table.row_elems, table.dtype) == (262144, layers * 256, "bfloat16")
     assert table.table_bytes == 262144 * layers * 256 * 2

@@ -350,8 +350,8 @@ def _table_fd(source: TableSource, fp: str, size: int, header: dict[str, object]
     field is not given; `mode` its file mode, 0600 if not), owned by `owner` (this user
     where None)."""
     mode = header.pop("mode", 0o600)
-    fields = {"magic": _MAGIC, "version": 1, "ready": 1, "rows": source.layer.rows,
-              "row_bytes": source.layer.row_bytes, "fingerprint": bytes.fromhex(fp)} | header
+    fields = {"magic": _MAGIC, "version": 1, "ready": 1, "rows": source.table.rows,
+              "row_bytes": source.table.row_bytes, "fingerprint": bytes.fromhex(fp)} | header
     fd = os.memfd_create("ray-ple-table", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.fchmod(fd, mode)
     os.posix_fallocate(fd, 0, size)
@@ -561,7 +561,7 @@ def test_a_checkpoint_of_an_unsupported_dtype_is_one_model_error(tmp_path):
     cfg = {"architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 2,
            "hidden_size_per_layer_input": 8, "vocab_size": 64, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert geometry_from_config(read_hf_config(tmp_path), max_tokens=8).layers[0].dtype \
+    assert geometry_from_config(read_hf_config(tmp_path), max_tokens=8).tables[0].dtype \
         == "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "int8"}))
     with pytest.raises(PleModelError, match="unsupported dtype 'int8'"):
@@ -1042,7 +1042,7 @@ def test_a_process_attaches_one_pair_once_and_only_its_own(monkeypatch):
     slow = PleDeadlines(step_s=5, offload_wait_s=5, heartbeat_s=5, startup_s=5)
     kw = {"transport": "cpu", "deadlines": slow, "heartbeat_s": 0.02}
     dump = GEOMETRY.model_dump()
-    layer = dump["layers"][0]
+    layer = dump["tables"][0]
     layer[next(k for k in layer if k.endswith("name"))] = "model.other_table"
     other = type(GEOMETRY).model_validate(dump)
     attached = None

@@ -276,7 +276,7 @@ def test_embedded_model_is_budgeted_with_its_real_geometry():
     demand = model_demands(app, spec.checkpoint_configs)[0]
     real = geometry_from_config(read_hf_config(resolve(demand.model_source)), max_tokens=1,
                                 engine_dtype="bfloat16")
-    assert demand.table_bytes == sum(4096 + g.table_bytes for g in real.layers)
+    assert demand.table_bytes == sum(4096 + g.table_bytes for g in real.tables)
 
 
 def _cpu(value: Any) -> float:

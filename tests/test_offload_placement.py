@@ -31,7 +31,7 @@ def test_offload_serves_off_the_cores_its_worker_is_bound_to(tmp_path):
     try:
         pair = WorkerPair.attach(PairHandle.model_validate(handle), spec.geometry, rank=0,
                                  transport="cpu", deadlines=PleDeadlines(), heartbeat_s=0.05)
-        out = torch.empty((2, spec.geometry.layers[0].row_elems), dtype=torch.bfloat16)
+        out = torch.empty((2, spec.geometry.tables[0].row_elems), dtype=torch.bfloat16)
         with pair.step(np.array([1, 2], dtype=np.int32)):
             pair.pull(0, out)  # served: the actor saw READY before it published
     finally:

@@ -95,7 +95,7 @@ def _parts_worker(handle: dict, geometry: dict, steps: list[list[int]], table_pa
     bad = 0
     for ids in steps:
         arr = np.asarray(ids, dtype=np.int32)
-        mapped = np.where((arr >= 0) & (arr < geo.layers[0].rows), arr, 0)
+        mapped = np.where((arr >= 0) & (arr < geo.tables[0].rows), arr, 0)
         with pair.step(arr):
             for i, slot in enumerate(geo.slots()):
                 out = torch.empty((len(ids), slot.row_elems), dtype=torch.bfloat16)
@@ -165,11 +165,11 @@ def _announcing_worker(handle: dict, geometry: dict, ids: list[int], table_path:
     b.token_count = len(ids)
     b.ids[:len(ids)] = np.asarray(ids, dtype=np.int32)
     b.posted = c.released + 1
-    out = torch.empty((len(ids), geo.layers[0].row_elems), dtype=torch.bfloat16)
+    out = torch.empty((len(ids), geo.tables[0].row_elems), dtype=torch.bfloat16)
     pair.pull(0, out)
     pair.transport.release(s)
     w.end_step(s)
-    got = out.view(torch.uint8).numpy().reshape(len(ids), geo.layers[0].row_bytes)
+    got = out.view(torch.uint8).numpy().reshape(len(ids), geo.tables[0].row_bytes)
     conn.send((asleep, waiting, int((got != expect[ids]).any(axis=1).sum()), b.counters()))
     conn.recv()
 

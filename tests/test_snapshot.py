@@ -17,7 +17,7 @@ import pytest
 
 from ray_ple.config import PleConfig, PleDeadlines
 from ray_ple.protocol.fatal import Reason
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.geometry import PleGeometry, TableGeometry
 from ray_ple.protocol.handles import make_pair_handle
 from ray_ple.protocol.layout import (
     POSTED_OFF,
@@ -34,8 +34,8 @@ from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, _Watched
 from ray_ple.table_source import TableSource
 
 PARTS = 2
-GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, layers=(
-    LayerGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=16,
+GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, tables=(
+    TableGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=16,
                   dtype="bfloat16"),), row_layers=PARTS, parts=(1,) * PARTS)
 DEADLINES = PleDeadlines()
 
@@ -143,7 +143,7 @@ def test_a_stable_jump_is_a_verdict_at_the_next_poll(pair):
     left = threading.Event()
     poll_s = 0.02
     ple = PleConfig.model_validate({"supervisor": {"poll_interval_s": poll_s}})
-    layer = GEOMETRY.layers[0]
+    layer = GEOMETRY.tables[0]
     spec = SupervisorSpec(tag="snapshot", ple=ple, geometry=GEOMETRY, world_size=1,
                           replica_pid=replica.pid, sources=(TableSource(
                               checkpoint_dir="/nonexistent", tensor_names=("t",), layer=layer),))

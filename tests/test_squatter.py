@@ -53,7 +53,7 @@ def _forged_fd(source: TableSource, fp: str, size: int, sealed: bool) -> int:
     os.fchmod(fd, 0o600)
     os.posix_fallocate(fd, 0, size)  # real memory, as a served table is
     header = bytearray(PAGE)
-    _HDR.pack_into(header, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
+    _HDR.pack_into(header, 0, _MAGIC, 1, 1, source.table.rows, source.table.row_bytes,
                    bytes.fromhex(fp))
     os.pwrite(fd, bytes(header), 0)
     os.pwrite(fd, bytes([FORGED]) * min(size - PAGE, 1 << 20), PAGE)
@@ -136,8 +136,8 @@ def _held_memfds() -> list[str]:
 
 
 def _names(source: TableSource) -> tuple[str, bytes, int]:
-    fp = fingerprint(locate_tensor(source), source.layer)
-    return fp, broker_name(fp), table_segment_size(source.layer)
+    fp = fingerprint(locate_tensor(source), source.table)
+    return fp, broker_name(fp), table_segment_size(source.table)
 
 
 _CHILDREN_BEFORE: set[int] = set()

@@ -44,7 +44,7 @@ def _table_inode(pid: int) -> set[int]:
 def _broker_pid(ckpt, timeout: float) -> int | None:
     """The pid serving the table's broker name, once someone alive does (within `timeout`)."""
     (source,) = spec_for(ckpt, max_tokens=8).sources
-    name = broker_name(fingerprint(locate_tensor(source), source.layer))
+    name = broker_name(fingerprint(locate_tensor(source), source.table))
     deadline = time.monotonic() + timeout
     while (pid := name_holder(name)[0]) is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -260,7 +260,7 @@ def _two_checkpoints(tmp_path) -> tuple:
 
 def _load_into_segment(table: TableFile, source) -> np.ndarray:  # noqa: ANN001
     """The loader's own steps after the fingerprint: a new segment, `load_rows` through the fd."""
-    layer = source.layer
+    layer = source.table
     seg = TableSegment.create("table", PAGE + layer.table_bytes)
     try:
         load_rows(seg, table, layer, table.fingerprint(layer))
@@ -276,7 +276,7 @@ def test_a_checkpoint_replaced_after_its_header_was_read_is_one_error_never_its_
     error. Asked again, the new file is served whole under its own fingerprint."""
     path, other, source, _, new = _two_checkpoints(tmp_path)
     with TableFile.open(source) as table:
-        fp = table.fingerprint(source.layer)
+        fp = table.fingerprint(source.table)
         os.replace(other / "model.safetensors", path / "model.safetensors")
         with pytest.raises(PleModelError, match="changed while its table"):
             _load_into_segment(table, source)

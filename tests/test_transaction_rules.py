@@ -24,7 +24,7 @@ import pytest
 
 from ray_ple.config import PleDeadlines
 from ray_ple.protocol.fatal import EXIT_CODE, Reason
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.geometry import PleGeometry, TableGeometry
 from ray_ple.protocol.handles import make_pair_handle
 from ray_ple.protocol.layout import ControlBlock, PairLayout, Side, State
 from ray_ple.protocol.shm import SharedSegment
@@ -39,8 +39,8 @@ from ray_ple.supervision.processes import ProcessSet
 from ray_ple.supervision.supervisor import Supervisor, _Problem, _Watched
 
 ROW_ELEMS, MAX_TOKENS = 32, 16
-GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=MAX_TOKENS, layers=(
-    LayerGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=ROW_ELEMS,
+GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=MAX_TOKENS, tables=(
+    TableGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=ROW_ELEMS,
                   dtype="bfloat16"),))
 FAST = PleDeadlines(step_s=0.2, offload_wait_s=0.2, heartbeat_s=0.2, startup_s=0.2)
 

@@ -20,7 +20,7 @@ import pytest
 
 from ray_ple.config import PleConfig, parse_ple
 from ray_ple.errors import PleConfigError
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.geometry import PleGeometry, TableGeometry
 from ray_ple.protocol.layout import ControlBlock, PairLayout, State
 from ray_ple.protocol.shm import SharedSegment
 from ray_ple.supervision import metrics
@@ -28,7 +28,7 @@ from ray_ple.supervision.processes import ProcessSet, proc_state
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec
 from ray_ple.table_source import TableSource
 
-LAYER = LayerGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=32,
+LAYER = TableGeometry(name="model.embed_tokens_per_layer", rows=8, row_elems=32,
                       dtype="bfloat16")
 
 
@@ -60,7 +60,7 @@ def _replica() -> tuple[subprocess.Popen, list[int]]:
 def _supervisor(replica: subprocess.Popen, exits: Exits) -> Supervisor:
     spec = SupervisorSpec(
         tag="verdict-path", ple=PleConfig(), world_size=1, replica_pid=replica.pid,
-        geometry=PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, layers=(LAYER,)),
+        geometry=PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, tables=(LAYER,)),
         sources=(TableSource(checkpoint_dir="/nonexistent", tensor_names=("t",), layer=LAYER),))
     return Supervisor(spec, None, None, exit_soon=exits)
 

@@ -67,7 +67,7 @@ def _worker_main(handle: dict[str, Any], geometry: dict[str, Any], table_path: s
     # OpenMP threads on one core turn every copy over ~100 KB into a multi-ms barrier wait
     pair = WorkerPair.attach(PairHandle.model_validate(handle), geo, rank=0, transport="cpu",
                              deadlines=PleDeadlines(step_s=10.0), heartbeat_s=0.05)
-    layer = geo.layers[0]
+    layer = geo.tables[0]
     rng = np.random.default_rng(0)
     result: dict[str, Any] = {}
     for t in TOKENS:

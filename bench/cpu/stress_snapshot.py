@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ray_ple.config import PleConfig, PleDeadlines
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.geometry import PleGeometry, TableGeometry
 from ray_ple.protocol.handles import make_pair_handle
 from ray_ple.protocol.layout import ControlBlock, Counters, PairLayout, Side, State
 from ray_ple.protocol.shm import SharedSegment
@@ -40,8 +40,8 @@ from ray_ple.protocol.transaction import OffloadEnd, WorkerEnd, invariant_violat
 
 CTX = mp.get_context("fork")  # the children share the parent's mapping and fd of the segment
 PARTS = 4  # slots: a `published` word each, all read in every pass
-GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=8, layers=(
-    LayerGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=4 * PARTS,
+GEOMETRY = PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=8, tables=(
+    TableGeometry(name="model.embed_tokens_per_layer", rows=64, row_elems=4 * PARTS,
                   dtype="bfloat16"),), row_layers=PARTS, parts=(1,) * PARTS)
 DEADLINES = PleDeadlines()
 
@@ -160,7 +160,7 @@ def jump_found(poll_interval_s: float = 0.02) -> dict[str, Any]:
     seg, block = new_pair()
     replica = subprocess.Popen(["sleep", "60"])  # the replica stand-in the verdict kills
     left = threading.Event()
-    layer = GEOMETRY.layers[0]
+    layer = GEOMETRY.tables[0]
     ple = PleConfig.model_validate({"supervisor": {"poll_interval_s": poll_interval_s}})
     spec = SupervisorSpec(tag="snapshot-stress", ple=ple, geometry=GEOMETRY, world_size=1,
                           replica_pid=replica.pid, sources=(TableSource(

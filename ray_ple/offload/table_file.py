@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from ray_ple.errors import PleModelError
 from ray_ple.log import Progress
 from ray_ple.offload.table_segment import TableSegment
-from ray_ple.protocol.geometry import ITEMSIZE, LayerGeometry, safetensors_dtype
+from ray_ple.protocol.geometry import ITEMSIZE, TableGeometry, safetensors_dtype
 from ray_ple.protocol.shm import PAGE
 from ray_ple.table_source import TableSource
 
@@ -89,8 +89,8 @@ class TableFile:
         raise PleModelError(f"checkpoint {ckpt} has no PLE tensor (looked for "
                             f"{list(source.tensor_names)})")
 
-    def fingerprint(self, layer: LayerGeometry) -> str:
-        return fingerprint(self.loc, layer, self.stat)
+    def fingerprint(self, shape: TableGeometry) -> str:
+        return fingerprint(self.loc, shape, self.stat)
 
     def check_unchanged(self) -> None:
         """Refuse what was read if the file changed since it was opened."""
@@ -119,31 +119,31 @@ def locate_tensor(source: TableSource) -> TensorLocation:
         return f.loc
 
 
-def check_shape(loc: TensorLocation, layer: LayerGeometry) -> None:
-    if loc.shape != (layer.rows, layer.row_elems):
+def check_shape(loc: TensorLocation, shape: TableGeometry) -> None:
+    if loc.shape != (shape.rows, shape.row_elems):
         raise PleModelError(f"{loc.name} has shape {list(loc.shape)}, the model config says "
-                            f"[{layer.rows}, {layer.row_elems}]")
+                            f"[{shape.rows}, {shape.row_elems}]")
 
 
-def fingerprint(loc: TensorLocation, layer: LayerGeometry,
+def fingerprint(loc: TensorLocation, shape: TableGeometry,
                 st: os.stat_result | None = None) -> str:
     """Identity of one table copy: the tensor's file (`st`: the fstat of the fd its rows are
     read through; the path's stat for a file at rest) and entry, plus the engine dtype."""
     st = os.stat(loc.file) if st is None else st
     key = json.dumps([loc.model_dump(), st.st_size, st.st_mtime_ns, st.st_ino,
-                      layer.model_dump()], sort_keys=True)
+                      shape.model_dump()], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def load_rows(seg: TableSegment, table: TableFile, layer: LayerGeometry, fp: str) -> None:
+def load_rows(seg: TableSegment, table: TableFile, shape: TableGeometry, fp: str) -> None:
     """Read the rows into `seg` through the file's one fd, then refuse them if the file
     changed since it was opened (`TableFile.check_unchanged`)."""
     loc = table.loc
     src_dtype = safetensors_dtype(loc.dtype)
-    nbytes = layer.table_bytes
+    nbytes = shape.table_bytes
     progress = Progress("table_load", nbytes, tensor=loc.name, fingerprint=fp[:12])
     dst = memoryview(seg.map)[PAGE:PAGE + nbytes]
-    if src_dtype == layer.dtype:
+    if src_dtype == shape.dtype:
         with open(table.fd, "rb", buffering=0, closefd=False) as f:
             f.seek(loc.begin)
             done = 0
@@ -156,16 +156,16 @@ def load_rows(seg: TableSegment, table: TableFile, layer: LayerGeometry, fp: str
     else:  # cast exactly as the engine would (torch CPU; CUDA stays hidden in this process)
         import torch
 
-        src_item, rows_per_chunk = ITEMSIZE[src_dtype], max(1, _CHUNK // layer.row_bytes)
-        out = torch.frombuffer(dst, dtype=getattr(torch, layer.dtype)).view(layer.rows, -1)
+        src_item, rows_per_chunk = ITEMSIZE[src_dtype], max(1, _CHUNK // shape.row_bytes)
+        out = torch.frombuffer(dst, dtype=getattr(torch, shape.dtype)).view(shape.rows, -1)
         with open(table.fd, "rb", buffering=0, closefd=False) as f:
-            for r in range(0, layer.rows, rows_per_chunk):
-                n = min(rows_per_chunk, layer.rows - r)
-                f.seek(loc.begin + r * layer.row_elems * src_item)
-                raw = bytearray(f.read(n * layer.row_elems * src_item))
+            for r in range(0, shape.rows, rows_per_chunk):
+                n = min(rows_per_chunk, shape.rows - r)
+                f.seek(loc.begin + r * shape.row_elems * src_item)
+                raw = bytearray(f.read(n * shape.row_elems * src_item))
                 src = torch.frombuffer(raw, dtype=getattr(torch, src_dtype)).view(n, -1)
                 out[r:r + n].copy_(src)
-                progress.update((r + n) * layer.row_bytes)
+                progress.update((r + n) * shape.row_bytes)
         del out
     dst.release()
     table.check_unchanged()

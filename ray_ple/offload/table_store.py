@@ -33,7 +33,7 @@ from ray_ple.log import log_event
 from ray_ple.offload.table_broker import bind_name, broker_name, hand_over, receive_table
 from ray_ple.offload.table_file import TableFile, check_shape, load_rows
 from ray_ple.offload.table_segment import TableSegment
-from ray_ple.protocol.geometry import LayerGeometry
+from ray_ple.protocol.geometry import TableGeometry
 from ray_ple.protocol.peers import name_holder
 from ray_ple.protocol.shm import PAGE, page_align
 from ray_ple.table_source import TableSource
@@ -48,9 +48,9 @@ _REFUSED_S = 0.5  # a holder of ours listens right after it binds: longer refuse
 _TAKEOVER_S = 0.05
 
 
-def table_segment_size(layer: LayerGeometry) -> int:
+def table_segment_size(shape: TableGeometry) -> int:
     """Bytes of the table's segment (header page + rows): what a received fd must hold."""
-    return page_align(PAGE + layer.table_bytes)
+    return page_align(PAGE + shape.table_bytes)
 
 
 def want_huge_pages(seg: TableSegment) -> bool:
@@ -74,12 +74,12 @@ def want_huge_pages(seg: TableSegment) -> bool:
 class NodeTable:
     """This process's hold on the node table: a read-only (rows, row_bytes) view."""
 
-    def __init__(self, segment: TableSegment, layer: LayerGeometry, fp: str,
+    def __init__(self, segment: TableSegment, shape: TableGeometry, fp: str,
                  listener: socket.socket | None, name: bytes) -> None:
-        self.segment, self.layer, self.fingerprint = segment, layer, fp
+        self.segment, self.shape, self.fingerprint = segment, shape, fp
         self.huge_pages = segment.hugetlb or want_huge_pages(segment)
         segment.populate()  # no page fault on a step's first touch of a row
-        self.rows = np.ndarray((layer.rows, layer.row_bytes), np.uint8, segment.map, PAGE)
+        self.rows = np.ndarray((shape.rows, shape.row_bytes), np.uint8, segment.map, PAGE)
         self.rows.flags.writeable = False
         self._name = name
         self._listener = listener
@@ -112,7 +112,7 @@ class NodeTable:
         if self._listener is not None:
             self._listener.close()
         self._thread.join(timeout=2)
-        self.rows = np.empty((0, self.layer.row_bytes), np.uint8)  # our view goes first
+        self.rows = np.empty((0, self.shape.row_bytes), np.uint8)  # our view goes first
         self.segment.close()
 
 
@@ -132,9 +132,9 @@ def acquire_table(source: TableSource, *, shm_dir: str, deadline_s: float,
 def _acquire(table: TableFile, source: TableSource, shm_dir: str, deadline_s: float,
              huge_pages: HugePages) -> NodeTable:
     loc = table.loc
-    check_shape(loc, source.layer)
-    fp = table.fingerprint(source.layer)
-    name, size = broker_name(fp), table_segment_size(source.layer)
+    check_shape(loc, source.table)
+    fp = table.fingerprint(source.table)
+    name, size = broker_name(fp), table_segment_size(source.table)
     deadline = time.monotonic() + deadline_s
     refused_since: float | None = None
     while time.monotonic() < deadline:
@@ -163,8 +163,8 @@ def _acquire(table: TableFile, source: TableSource, shm_dir: str, deadline_s: fl
             time.sleep(0.05)  # the holder just went away
             continue
         magic, _, ready, rows, row_bytes, got_fp = _header(seg)
-        if (magic, ready, rows, row_bytes, got_fp) != (_MAGIC, 1, source.layer.rows,
-                                                       source.layer.row_bytes, fp):
+        if (magic, ready, rows, row_bytes, got_fp) != (_MAGIC, 1, source.table.rows,
+                                                       source.table.row_bytes, fp):
             seg.close()
             raise PleModelError(f"node table {fp[:12]} served by a peer does not match")
         if huge_pages == "require" and not seg.hugetlb:
@@ -173,8 +173,8 @@ def _acquire(table: TableFile, source: TableSource, shm_dir: str, deadline_s: fl
                 f"node table {fp[:12]}: ple.huge_pages is 'require' but the node's copy, "
                 f"loaded by another holder, is on 4 KiB pages")
         log_event("table_hold", role="sharer", fingerprint=fp[:12],
-                  bytes=source.layer.table_bytes, hugetlb=seg.hugetlb)
-        return NodeTable(seg, source.layer, fp, None, name)
+                  bytes=source.table.table_bytes, hugetlb=seg.hugetlb)
+        return NodeTable(seg, source.table, fp, None, name)
     raise PleModelError(f"table {fp[:12]} not available within {deadline_s}s")
 
 
@@ -199,21 +199,21 @@ def _load_and_serve(listener: socket.socket, name: bytes, table: TableFile,
                     huge_pages: HugePages) -> NodeTable:
     """Load the table into a new sealed segment, then serve it on `listener` (already ours)."""
     try:
-        seg = _table_segment(PAGE + source.layer.table_bytes, shm_dir, huge_pages, fp)
+        seg = _table_segment(PAGE + source.table.table_bytes, shm_dir, huge_pages, fp)
     except BaseException:
         listener.close()
         raise
     try:
         if not seg.hugetlb:
             want_huge_pages(seg)
-        load_rows(seg, table, source.layer, fp)
-        _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.layer.rows, source.layer.row_bytes,
+        load_rows(seg, table, source.table, fp)
+        _HDR.pack_into(seg.map, 0, _MAGIC, 1, 1, source.table.rows, source.table.row_bytes,
                        bytes.fromhex(fp))
         seg.seal()
     except BaseException:
         listener.close()
         seg.close()
         raise
-    log_event("table_hold", role="loader", fingerprint=fp[:12], bytes=source.layer.table_bytes,
+    log_event("table_hold", role="loader", fingerprint=fp[:12], bytes=source.table.table_bytes,
               hugetlb=seg.hugetlb)
-    return NodeTable(seg, source.layer, fp, listener, name)
+    return NodeTable(seg, source.table, fp, listener, name)

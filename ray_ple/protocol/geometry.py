@@ -67,7 +67,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
-class LayerGeometry(BaseModel):
+class TableGeometry(BaseModel):
     """One offloaded table: `rows` x `row_elems` of `dtype`; a token reads one row."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -169,7 +169,7 @@ class PleGeometry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     architecture: str
     max_tokens: int = Field(gt=0)
-    layers: tuple[LayerGeometry, ...] = Field(min_length=1)
+    tables: tuple[TableGeometry, ...] = Field(min_length=1)
     row_layers: int = Field(1, gt=0)
     resident_layers: int = Field(0, ge=0)
     parts: tuple[int, ...] = ()
@@ -182,7 +182,7 @@ class PleGeometry(BaseModel):
                              f"{self.row_layers} to offload")
         if self.parts and (sum(self.parts) != offloaded or min(self.parts) < 1):
             raise ValueError(f"parts {self.parts} do not split {offloaded} layers")
-        for g in self.layers:
+        for g in self.tables:
             if g.row_elems % self.row_layers:
                 raise ValueError(f"{g.name}: {g.row_elems} values per row are not "
                                  f"{self.row_layers} layers")
@@ -190,8 +190,8 @@ class PleGeometry(BaseModel):
 
     @property
     def table_names(self) -> tuple[str, ...]:
-        """The offloaded tables (model modules), one per `layers` entry."""
-        return tuple(table.name for table in self.layers)
+        """The offloaded tables (model modules), one per `tables` entry."""
+        return tuple(table.name for table in self.tables)
 
     @property
     def part_layers(self) -> tuple[int, ...]:
@@ -201,7 +201,7 @@ class PleGeometry(BaseModel):
         """Every slot of a pair, in publish order: per table, its parts in layer order."""
         out: list[SlotGeometry] = []
         n = len(self.part_layers)
-        for t, g in enumerate(self.layers):
+        for t, g in enumerate(self.tables):
             d = g.row_elems // self.row_layers
             first = self.resident_layers
             for p, k in enumerate(self.part_layers):
@@ -269,7 +269,7 @@ def geometry_from_config(
         )
     num_layers = int(text["num_hidden_layers"])
     rows = int(text.get("vocab_size_per_layer_input") or text["vocab_size"])
-    layer = LayerGeometry(
+    shape = TableGeometry(
         name=ARCHITECTURES[arch].module,
         rows=rows,
         row_elems=num_layers * ple_dim,
@@ -292,7 +292,7 @@ def geometry_from_config(
                                  "row before its first layer, so one part (1 or auto)")
         parts = 1
     split = split_layers(num_layers - resident_layers, parts, resident_layers)
-    return PleGeometry(architecture=arch, max_tokens=max_tokens, layers=(layer,),
+    return PleGeometry(architecture=arch, max_tokens=max_tokens, tables=(shape,),
                        row_layers=num_layers, resident_layers=resident_layers,
                        parts=split if len(split) > 1 else ())
 

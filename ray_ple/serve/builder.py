@@ -226,7 +226,7 @@ def _logged(m: CheckedModel) -> Any:
     else:
         log_event("build_model", model_id=mlc.model_id, offload=True, transport=m.transport,
                   world_size=m.plan.world_size, max_tokens=m.plan.geometry.max_tokens,
-                  table_bytes=sum(g.table_bytes for g in m.plan.geometry.layers))
+                  table_bytes=sum(g.table_bytes for g in m.plan.geometry.tables))
     return m.llm
 
 

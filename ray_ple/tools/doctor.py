@@ -85,7 +85,7 @@ class DoctorArgs(Frozen):
 class TableNeed(Frozen):
     """One offloaded table as the offload actor will hold it (`table_store`)."""
 
-    name: str  # the table's name (`LayerGeometry.name`)
+    name: str  # the table's name (`TableGeometry.name`)
     tensor: str  # the checkpoint tensor ("" where the checkpoint was not read)
     rows: int  # the per-layer vocabulary
     row_elems: int
@@ -324,8 +324,8 @@ def check_table(args: DoctorArgs) -> Check:
                                         engine_dtype=args.dtype)
     except PleModelError as exc:
         return Check(name="table", status="FAIL", detail=str(exc))
-    real = sum(table_segment_size(g) for g in geometry.layers)
-    rows = " + ".join(f"{g.rows} x {g.row_bytes} B = {g.table_bytes} B" for g in geometry.layers)
+    real = sum(table_segment_size(g) for g in geometry.tables)
+    rows = " + ".join(f"{g.rows} x {g.row_bytes} B = {g.table_bytes} B" for g in geometry.tables)
     status: Status = "PASS" if real <= args.table_bytes else "FAIL"
     rel = "<=" if status == "PASS" else ">"
     return Check(name="table", status=status, detail=(
@@ -358,7 +358,7 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
         return None
     geometry = plan.geometry
     tables = []
-    for layer, source in zip(geometry.layers, plan.sources, strict=True):
+    for layer, source in zip(geometry.tables, plan.sources, strict=True):
         tensor = ""
         if read_checkpoint:
             with TableFile.open(source) as table:

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from ray_ple.config import PleConfig, PleDeadlines
-from ray_ple.protocol.geometry import LayerGeometry, PleGeometry
+from ray_ple.protocol.geometry import PleGeometry, TableGeometry
 from ray_ple.protocol.handles import EngineHandles, PairHandle
 from ray_ple.table_source import TableSource
 from ray_ple.worker import pair as worker_pair
-from ray_ple.worker.vllm_plugin.layer import PleOffloadEmbedding
+from ray_ple.worker.vllm_plugin.embedding import PleOffloadEmbedding
 
 REPO = Path(__file__).resolve().parents[2]  # the rig's processes run its modules from here
 
@@ -82,11 +82,11 @@ def geometry(rows: int, max_tokens: int, parts: tuple[int, ...] = (),
     """One table; `parts` (model layers per slot, 256 values each) splits its row into
     slots named `TABLE#p` (late pull); `()` is one slot, the whole row, named `TABLE`.
     `resident_layers`: the first layers are the worker's own; the parts cover the rest."""
-    layer = LayerGeometry(name=TABLE, rows=rows, row_elems=row_elems, dtype="bfloat16")
+    shape = TableGeometry(name=TABLE, rows=rows, row_elems=row_elems, dtype="bfloat16")
     if not parts:
         return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens,
-                           layers=(layer,))
-    return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, layers=(layer,),
+                           tables=(shape,))
+    return PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=max_tokens, tables=(shape,),
                        row_layers=row_elems // 256, resident_layers=resident_layers,
                        parts=tuple(parts))
 
@@ -106,7 +106,7 @@ class OffloadProcess:
                         deadlines=deadlines(), gather_threads=gather_threads)
         source = TableSource(checkpoint_dir=str(Path(checkpoint_dir).resolve()),
                              tensor_names=(TENSOR,),
-                             layer=geo.layers[0])
+                             layer=geo.tables[0])
         spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
                 "sources": [source.model_dump(mode="json")],
                 "config": cfg.model_dump(mode="json")}

@@ -233,9 +233,9 @@ def _model_demand(llm: Any, ple: PleConfig, app_env: dict[str, str],
                                         engine_dtype=kw.get("dtype"), parts=ple.parts,
                                         resident_layers=ple.resident_layers,
                                         transport=transport)
-        dtype = geometry.layers[0].dtype
-        table = sum(mmap.PAGESIZE + g.table_bytes for g in geometry.layers)
-        tables = tuple((g.rows, g.row_bytes) for g in geometry.layers)
+        dtype = geometry.tables[0].dtype
+        table = sum(mmap.PAGESIZE + g.table_bytes for g in geometry.tables)
+        tables = tuple((g.rows, g.row_bytes) for g in geometry.tables)
         tokens, row_bytes = geometry.max_tokens, sum(s.row_bytes for s in geometry.slots())
         pair = PairLayout.compute(geometry.max_tokens,
                                   tuple(s.row_bytes for s in geometry.slots())).size

@@ -28,7 +28,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
 from ray_ple.worker.vllm_plugin.attach import attach_worker
-from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
+from ray_ple.worker.vllm_plugin.embedding import offload_embedding, without_table
 
 _SKIP = "embed_tokens_per_layer."
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -57,7 +57,7 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
 class RayPleGemma3nForCausalLM(Gemma3nForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
-        (layer,) = settings.geometry.layers
+        (layer,) = settings.geometry.tables
         text_vllm_config = _text_only(vllm_config)
         text = text_vllm_config.model_config.hf_config
         if text.num_hidden_layers * text.hidden_size_per_layer_input != layer.row_elems:

@@ -82,7 +82,7 @@ from ray_ple.errors import PleConfigError, PleModelError
 from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
 from ray_ple.worker.vllm_plugin.attach import attach_worker
-from ray_ple.worker.vllm_plugin.layer import offload_embedding, without_table
+from ray_ple.worker.vllm_plugin.embedding import offload_embedding, without_table
 
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor), as vLLM loads them
 PLE_WEIGHT = "embed_tokens_per_layer."  # in the name of the checkpoint's table
@@ -354,7 +354,7 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
                 "kv_sharing_fast_prefill is not supported with ray-ple's offloaded PLE: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
-        (layer,) = settings.geometry.layers
+        (layer,) = settings.geometry.tables
         text = _get_text_config(vllm_config.model_config.hf_config)
         with _model_class(PleOffloadGemma4Model), without_table(text, layer):
             super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -15,18 +15,18 @@ import torch
 from torch import nn
 
 from ray_ple.errors import PleConfigError, PleHandleError
-from ray_ple.protocol.geometry import LayerGeometry
+from ray_ple.protocol.geometry import TableGeometry
 from ray_ple.worker.ops import pull_rows
 
 
 @contextmanager
-def without_table(text_config: Any, layer: LayerGeometry) -> Iterator[None]:
+def without_table(text_config: Any, shape: TableGeometry) -> Iterator[None]:
     """Construct the model over a one-row placeholder table (never allocated in the worker);
     the config attribute is restored at once. The checkpoint must have the geometry's rows."""
     real = text_config.vocab_size_per_layer_input
-    if real != layer.rows:
+    if real != shape.rows:
         raise PleConfigError(f"checkpoint has {real} PLE rows, the offload geometry "
-                             f"{layer.rows}")
+                             f"{shape.rows}")
     text_config.vocab_size_per_layer_input = 1
     try:
         yield
@@ -34,16 +34,16 @@ def without_table(text_config: Any, layer: LayerGeometry) -> Iterator[None]:
         text_config.vocab_size_per_layer_input = real
 
 
-def offload_embedding(layer: LayerGeometry, model_name: str,
+def offload_embedding(shape: TableGeometry, model_name: str,
                       dtype: torch.dtype) -> PleOffloadEmbedding:
     """The module that replaces the model's PLE lookup, once names and dtype agree."""
     name = f"{model_name}.embed_tokens_per_layer"
-    if name != layer.name:
-        raise PleHandleError(f"model's PLE module is {name!r}, handles name {layer.name!r}")
-    if dtype != getattr(torch, layer.dtype):
+    if name != shape.name:
+        raise PleHandleError(f"model's PLE module is {name!r}, handles name {shape.name!r}")
+    if dtype != getattr(torch, shape.dtype):
         raise PleConfigError(f"engine dtype {dtype} differs from the offloaded table's "
-                             f"{layer.dtype}")
-    return PleOffloadEmbedding(layer.name, layer.row_elems, dtype)
+                             f"{shape.dtype}")
+    return PleOffloadEmbedding(shape.name, shape.row_elems, dtype)
 
 
 class PleOffloadEmbedding(nn.Module):
