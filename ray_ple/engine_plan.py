@@ -50,15 +50,12 @@ class OffloadPlan(Frozen):
 def refuse_unsupported(engine_kwargs: dict[str, Any]) -> None:
     """Engine features the offload does not serve, refused before anything starts.
 
-    Speculative decoding: the drafter's and the verifier's forwards are not transactions of
-    a pair (the worker check refuses it too, but only once the replica is starting).
+    Speculative decoding: only methods whose drafter reads no PLE table (`speculation`).
     Images, audio, video: the model is served as text (its towers are never built), so a
     config that asks for them is refused here, and a request that carries them gets vLLM's
     400. Prompt embeddings: no token ids, so no rows to look up.
     """
-    if engine_kwargs.get("speculative_config"):
-        raise PleConfigError("speculative decoding (engine_kwargs.speculative_config) is not "
-                             "supported with PLE offload; serve it with ple.enabled: false")
+    speculation(engine_kwargs.get("speculative_config"))
     limits = engine_kwargs.get("limit_mm_per_prompt") or {}
     asked = sorted(m for m, n in limits.items()
                    if (n.get("count", 1) if isinstance(n, dict) else n))
@@ -67,6 +64,58 @@ def refuse_unsupported(engine_kwargs: dict[str, Any]) -> None:
                              f"are refused, but limit_mm_per_prompt allows {asked}")
     if engine_kwargs.get("enable_prompt_embeds"):
         raise PleConfigError("PLE offload needs token ids: enable_prompt_embeds is refused")
+
+
+# `speculative_config.method` values vLLM 0.32 reads as n-gram or as MTP (its aliases)
+NGRAM = ("ngram", "[ngram]")
+MTP = ("mtp", "gemma4_mtp")
+# Gemma 4's MTP drafters, as their checkpoints declare `model_type`
+GEMMA4_DRAFTERS = ("gemma4_assistant",)
+
+
+def speculation(spec: Any) -> str | None:
+    """`ngram`, `mtp` or None (no speculation) for a `speculative_config`; anything else is
+    refused. Both are one transaction per target (verification) forward, at T = the scheduled
+    tokens including the draft slots: n-gram has no drafter model, and Gemma 4's MTP drafter
+    has no PLE table (it shares the target's `embed_tokens` and KV cache), so its forwards
+    are local and move no rows. The drafter's checkpoint is checked by `check_drafter`.
+    """
+    if not spec:
+        return None
+    if not isinstance(spec, dict):
+        raise PleConfigError(f"engine_kwargs.speculative_config must be a mapping, not "
+                             f"{type(spec).__name__}")
+    method, model = spec.get("method"), spec.get("model")
+    if method in NGRAM or (method is None and model in NGRAM):
+        return "ngram"
+    if method in MTP or (method is None and model is not None):
+        if not model:
+            raise PleConfigError("speculative decoding with PLE offload: MTP needs "
+                                 "speculative_config.model, the Gemma 4 assistant checkpoint "
+                                 "(the target checkpoint holds no MTP layers)")
+        return "mtp"
+    raise PleConfigError(f"speculative decoding method {method!r} is not served with PLE "
+                         f"offload (served: 'ngram', and 'mtp' with a Gemma 4 assistant "
+                         f"drafter); serve it with ple.enabled: false")
+
+
+def check_drafter(spec: dict[str, Any], architecture: str) -> None:
+    """The MTP drafter's checkpoint: a Gemma 4 assistant for a Gemma 4 target, with no PLE
+    table of its own (its forwards are never transactions, so a table it read would be
+    the worker's own, or missing)."""
+    hf = read_hf_config(str(spec["model"]))
+    text = hf.get("text_config") or hf
+    if int(text.get("hidden_size_per_layer_input") or 0) > 0 or int(
+            text.get("vocab_size_per_layer_input") or 0) > 0:
+        raise PleConfigError(f"speculative decoding with PLE offload: the drafter "
+                             f"{spec['model']} has a per-layer-embedding table of its own, "
+                             f"which the offload does not serve")
+    kind = hf.get("model_type")
+    if kind not in GEMMA4_DRAFTERS or not architecture.startswith("Gemma4"):
+        raise PleConfigError(f"speculative decoding with PLE offload: MTP is served for a "
+                             f"Gemma 4 target with a Gemma 4 assistant drafter "
+                             f"(model_type {GEMMA4_DRAFTERS}), not a {kind!r} drafter for "
+                             f"{architecture}")
 
 
 def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
@@ -80,9 +129,12 @@ def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
             raise PleConfigError(f"PLE offload supports tensor parallelism only ({key} must be 1)")
     engine_max = engine_kwargs.get("max_num_batched_tokens")
     max_tokens = ple.max_tokens or engine_max or DEFAULT_MAX_TOKENS
-    if engine_max is not None and engine_max > max_tokens:
-        raise PleConfigError(f"max_num_batched_tokens={engine_max} exceeds ple.max_tokens="
-                             f"{max_tokens}")
+    draft = ("; with speculative decoding it includes the draft slots"
+             if engine_kwargs.get("speculative_config") else "")
+    for key in ("max_num_batched_tokens", "max_num_scheduled_tokens"):
+        if (n := engine_kwargs.get(key)) is not None and n > max_tokens:
+            raise PleConfigError(f"{key}={n} exceeds ple.max_tokens={max_tokens}: a step's "
+                                 f"tokens must fit the slots{draft}")
     return max_tokens
 
 
@@ -96,6 +148,8 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
                                     engine_dtype=kw.get("dtype"), parts=ple.parts,
                                     resident_layers=ple.resident_layers,
                                     transport=transport)
+    if speculation(kw.get("speculative_config")) == "mtp":
+        check_drafter(kw["speculative_config"], geometry.architecture)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "

@@ -316,3 +316,69 @@ def build(spec: AnySpec) -> Path:
         progress.finish(params=sum(p.numel() for p in model.parameters()))
     log_event("tiny_model_ready", path=str(out))
     return out
+
+
+def build_mtp_drafter(target: TinySpec) -> Path:
+    """A Gemma 4 MTP drafter (`Gemma4AssistantForCausalLM`) for the built `target`, built once.
+
+    Random weights would propose tokens the target never accepts. This drafter proposes the
+    step's last token again (pre-projection keeps the token's embedding, every layer adds
+    zero, the head is the target's own embedding), so its drafts are accepted wherever the
+    target's greedy output repeats a token, which tiny random models do. No PLE table, as
+    the released assistants (transformers refuses one).
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4_assistant import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+    )
+
+    if target.multimodal:
+        raise PleModelError("build_mtp_drafter takes a text Gemma 4 (its embedding is read "
+                            "from the text layout)")
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, "mtp", target.model_dump()]).encode())
+    out = cache_root() / "models" / f"gemma4-assistant-{key.hexdigest()[:16]}"
+    if (out / ".complete").exists():
+        return out
+    embed = load_file(build(target) / "model.safetensors")["model.embed_tokens.weight"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(out) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / ".complete").exists():
+            return out
+        h = target.hidden_size
+        text = Gemma4TextConfig(
+            vocab_size=target.vocab_size, hidden_size=h,
+            intermediate_size=target.intermediate_size, num_hidden_layers=2,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+            global_head_dim=target.head_dim,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=target.sliding_window,
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size_per_layer_input=0, hidden_size_per_layer_input=0,
+            pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
+        cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=h)
+        cfg.architectures = ["Gemma4AssistantForCausalLM"]
+        torch.manual_seed(target.seed)
+        model = Gemma4AssistantForCausalLM(cfg)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.copy_(embed)
+            model.pre_projection.weight.zero_()
+            model.pre_projection.weight[:, :h].copy_(torch.eye(h))
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+        tmp = out.with_name(out.name + ".tmp")
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        _tokenizer(target.vocab_size, tmp)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        tmp.rename(out)
+        (out / ".complete").write_text(json.dumps(target.model_dump()))
+    log_event("tiny_model_ready", path=str(out))
+    return out

@@ -49,9 +49,9 @@ def _bad(change) -> dict:
 BAD = {
     "unknown-ple-key": lambda llm: llm["ple"].update(gather_thread=4),
     "transport-gpu": lambda llm: llm["ple"].update(transport="gpu"),
-    "speculative": lambda llm: llm["engine_kwargs"].update(
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                            "prompt_lookup_max": 3}),
+    "speculative-eagle": lambda llm: llm["engine_kwargs"].update(
+        speculative_config={"method": "eagle", "model": "some-eagle-head",
+                            "num_speculative_tokens": 2}),
     "negative-step-deadline": lambda llm: llm["ple"].update(deadlines={"step_s": -1}),
 }
 

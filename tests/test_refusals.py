@@ -1,7 +1,7 @@
 """What PLE offload does not serve is refused with one clear error, never served wrong.
 
-Speculative decoding, images/audio/video in the config, and prompt embeddings are refused
-when the app is built (before any replica, actor or segment exists). A request that carries
+Speculative decoding other than n-gram and Gemma 4's MTP drafter, images/audio/video in the
+config, and prompt embeddings are refused when the app is built (before any replica, actor or segment exists). A request that carries
 an image or audio reaches a model served as text: `serve run` answers it with a 400 and the
 replica keeps serving (tested in tests/test_serve.py, in the same `serve run`).
 """
@@ -24,24 +24,26 @@ def _args(**engine: object) -> dict:
     return {"llm_configs": [llm]}
 
 
-SPECULATIVE = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-    "mtp": {"method": "mtp", "num_speculative_tokens": 1},
+SPECULATIVE = {  # what the offload does not serve (served ones: tests/test_speculative.py)
+    "eagle": {"method": "eagle", "model": "some-eagle-head", "num_speculative_tokens": 2},
+    "draft_model": {"method": "draft_model", "model": "some-draft", "num_speculative_tokens": 2},
+    "ngram_gpu": {"method": "ngram_gpu", "num_speculative_tokens": 2},
+    "mtp-without-drafter": {"method": "mtp", "num_speculative_tokens": 1},
 }
 
 
 @pytest.mark.parametrize("method", sorted(SPECULATIVE))
-def test_speculative_decoding_is_refused_when_the_app_is_built(method):
+def test_speculative_methods_not_served_are_refused_when_the_app_is_built(method):
     with pytest.raises(PleConfigError, match="speculative decoding"):
         validate_args(_args(speculative_config=SPECULATIVE[method]))
     with pytest.raises(PleConfigError, match="speculative decoding"):
         offload_llm_config(_args(speculative_config=SPECULATIVE[method])["llm_configs"][0])
 
 
-def test_speculative_decoding_is_refused_by_the_offline_plan():
+def test_speculative_decoding_not_served_is_refused_by_the_offline_plan():
     with pytest.raises(PleConfigError, match="speculative decoding"):
         plan_offload(str(build(PRESETS["tiny-gemma3n"])), PleConfig(),
-                     {"speculative_config": SPECULATIVE["ngram"]}, "cpu")
+                     {"speculative_config": SPECULATIVE["eagle"]}, "cpu")
 
 
 @pytest.mark.parametrize("limits", [{"image": 1}, {"audio": 2, "image": 0},
@@ -61,7 +63,7 @@ def test_prompt_embeddings_are_refused():
 
 
 def test_the_unoffloaded_model_is_not_refused():
-    args = _args(speculative_config=SPECULATIVE["ngram"])
+    args = _args(speculative_config=SPECULATIVE["eagle"])
     args["llm_configs"][0]["ple"] = {"enabled": False}
     validate_args(args)
 
