@@ -37,6 +37,7 @@ from ray_ple.supervision.engine_leftovers import (
     in_use,
     remove_unused,
 )
+from ray_ple.supervision.metrics import exported_names
 from ray_ple.supervision.supervisor import read_verdicts
 from tests.faultrig import (
     PROMPTS,
@@ -339,12 +340,11 @@ CUTS = [
 ]
 
 
-METRICS = {"ray_ple_transactions_total", "ray_ple_handoff_latency_seconds_bucket",
-           "ray_ple_verdicts_total", "ray_ple_deadline_misses_total"}
+METRICS = set(exported_names())  # as Ray's endpoint names them
 
 
 def _scrape(rig, wanted: set[str], timeout: float = 10.0) -> set[str]:
-    """Metric names the nodes' Prometheus endpoints export (Ray may prefix them)."""
+    """Metric names the nodes' Prometheus endpoints export, exactly."""
     import re
 
     import requests
@@ -358,7 +358,7 @@ def _scrape(rig, wanted: set[str], timeout: float = 10.0) -> set[str]:
                                     timeout=5).text
             except requests.RequestException:
                 continue
-            found |= {n for n in wanted if re.search(rf"^\w*{n}\{{", text, re.M)}
+            found |= {n for n in wanted if re.search(rf"^{n}\{{", text, re.M)}
         time.sleep(1)
     return found
 

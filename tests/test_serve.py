@@ -319,6 +319,88 @@ def test_a_request_with_media_is_refused_and_the_replica_keeps_serving(served, m
     assert sorted(offload_pids()) == before, "no replica was replaced"
 
 
+REPORT_INTERVAL_S = 10  # Ray's RAY_metrics_report_interval_ms default: a worker's report
+
+
+def _metrics_targets(run: ServeRun) -> list[str]:
+    """The metrics endpoints of this run's own cluster, found as `ray metrics
+    launch-prometheus`'s Prometheus finds them: the service-discovery file Ray writes in its
+    session directory (the session named on this run's processes' command lines, never
+    another cluster's). Each node's metrics export port is chosen at start (the command
+    lines say `--metrics-export-port=0`), so only Ray's own record names it."""
+    import re
+
+    sessions = set()
+    for proc in psutil.Process(run.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            sessions |= set(re.findall(r"--session[-_]dir=(\S+)", " ".join(proc.cmdline())))
+    assert len(sessions) == 1, f"this run's session directory: {sessions}"
+    (session,) = sessions
+    sd = json.loads((Path(session) / "prom_metrics_service_discovery.json").read_text())
+    return [t for group in sd for t in group["targets"]]
+
+
+def _scrape(targets: list[str]) -> str:
+    """Every target's /metrics, one text (a target that does not answer adds nothing)."""
+    texts = []
+    for target in targets:
+        with contextlib.suppress(requests.RequestException):
+            texts.append(requests.get(f"http://{target}/metrics", timeout=10).text)
+    return "\n".join(texts)
+
+
+def _series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of `name` (exactly that name) in a scrape."""
+    import re
+
+    out = []
+    for labels, value in re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M):
+        out.append((dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
+    return out
+
+
+def test_every_metric_the_dashboard_queries_is_exported(served):
+    """After a few completions, the metrics endpoints of the serve run's cluster (found
+    through Ray's service-discovery file) export every name the Grafana dashboard queries,
+    exactly (`ray_ple_*`, never `ray_ray_ple_*`); for each offloaded replica, the deadline
+    counter of every kind and the verdict counter of every reason are there at 0 (nothing
+    missed, nothing ended), and a phase series for every part of every rank."""
+    from ray_ple.protocol.fatal import Reason
+    from ray_ple.supervision import metrics
+    from ray_ple.supervision.supervisor import _DEADLINES
+    from tests.test_dashboard import dashboard_metrics
+
+    for prompt in PROMPTS:
+        for model in ("tiny-gemma4", "tiny-gemma3n"):
+            complete(model, prompt)
+    targets = _metrics_targets(served)
+    wanted, found, text = dashboard_metrics(), set(), ""
+    deadline = time.monotonic() + 4 * REPORT_INTERVAL_S  # reported within one interval
+    while found != wanted and time.monotonic() < deadline:
+        text = _scrape(targets)
+        found = {n for n in wanted if _series(text, n)}
+        time.sleep(2)
+    assert found == wanted, f"not exported from {targets}: {sorted(wanted - found)}"
+    assert "ray_ray_" not in text
+    ready = {e["replica"] for e in _logged(served.log.read_text(), "replica_ready")}
+    assert len(ready) == 3, ready
+    for name, key, values in (
+            ("ray_" + metrics.VERDICTS, "reason", {r.name for r in Reason}),
+            ("ray_" + metrics.DEADLINE_MISSES, "kind", set(_DEADLINES.values()))):
+        series = _series(text, name)
+        for replica in ready:
+            mine = {s[key]: v for s, v in series if s["replica"] == replica}
+            assert mine == dict.fromkeys(values, 0.0), (name, replica, mine)
+    phases = {(s["replica"], s["rank"], s["slot"], s["phase"])
+              for s, _ in _series(text, "ray_" + metrics.PHASE_SAMPLES)}
+    for replica in ready:
+        slots = {(slot, phase) for r, rank, slot, phase in phases if r == replica}
+        assert (metrics.FORWARD_SLOT, metrics.PHASE_FORWARD) in slots, (replica, phases)
+        assert {p for s, p in slots} == {metrics.PHASE_ROWS, metrics.PHASE_FORWARD}
+    steps = {s["tokens"] for s, v in _series(text, "ray_" + metrics.HANDOFF + "_count") if v}
+    assert steps and steps <= {metrics.tokens_bucket(t) for t in (1, 4, 16, 64, 256)}, steps
+
+
 def _replica_trees(server_cls: str) -> list[int]:
     """The replicas of one server class and every process under them (engine core, workers)."""
     pids = []

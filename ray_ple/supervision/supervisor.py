@@ -11,7 +11,9 @@ at once when a watched process exits (pidfds):
                 only on a snapshot whose counters are one instant's (`ControlBlock.snapshot`)
     deadlines   startup (pairs + engine), a posted step released within step_s, its rows
                 published within offload_wait_s; heartbeats of both sides
-    metrics     transactions, hand-off latency, deadline misses, verdicts
+    metrics     transactions, hand-off latency by token count, where a step in flight is
+                (which part's rows, or the forward), deadline misses, verdicts: read from
+                the same snapshots (`ray_ple.supervision.metrics`)
 
 A verdict is one structured line and a metric, then the whole replica is ended: every pair is
 marked FAILED (so no side can take another step), every process of the replica is killed
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -114,9 +117,15 @@ class _Watched:
         self.unreleased = step_deadline(deadlines)
         self.unpublished = publish_deadline(deadlines)
         self.unstable = 0  # snapshots whose counters never held still (no verdict on those)
+        self.tokens = 0  # the token count of the latest post, read just before the snapshot
 
     def read(self) -> ControlBlock:
         """A snapshot; its `stable` says whether the counters are one instant's."""
+        # The latest post's token count, read before the stamps: a post landing between the
+        # two reads leaves post_ns past publish_ns (no hand-off sample), unless its rows are
+        # published by the second too (then one sample takes the previous step's count).
+        count = os.pread(self.fd, 4, self.layout.count_offset)
+        self.tokens = struct.unpack("<I", count)[0] if len(count) == 4 else 0
         block = ControlBlock.snapshot(self.fd, self.layout)
         if block is None:
             raise _Problem(Reason.SEGMENT_LOST, "pair segment shrank under a live pair",
@@ -166,6 +175,7 @@ class Supervisor:
         self._startup = Deadline(Reason.STARTUP_DEADLINE, self.spec.ple.deadlines.startup_s,
                                  "(pairs + engine start) not serving")
         self._lock = threading.Lock()
+        metrics.start_replica(self.spec.tag, _DEADLINES.values(), (r.name for r in Reason))
         self._thread = threading.Thread(target=self._watch, name="ray-ple-supervisor",
                                         daemon=True)
         self._thread.start()
@@ -187,6 +197,8 @@ class Supervisor:
                 except Exception:
                     self._procs.discard(pid)
                     raise
+        for handle in handles:
+            metrics.start_pair(self.spec.tag, handle.rank, handle.slot_names)
         return EngineHandles(pairs=tuple(handles))
 
     def engine_started(self) -> EngineAttached:
@@ -294,7 +306,16 @@ class Supervisor:
             metrics.transactions(self.spec.tag, handle.rank, c.released - w.last.released)
             post_ns, publish_ns = b.stamps()
             if publish_ns >= post_ns > 0:
-                metrics.handoff(self.spec.tag, handle.rank, (publish_ns - post_ns) / 1e9)
+                metrics.handoff(self.spec.tag, handle.rank, w.tokens,
+                                (publish_ns - post_ns) / 1e9)
+        if c.posted > c.released:  # a step in flight: where is it (a sample per poll)?
+            pending = next((i for i, p in enumerate(c.published) if p < c.posted), None)
+            if pending is None:  # past every part's gate
+                metrics.phase_sample(self.spec.tag, handle.rank, metrics.FORWARD_SLOT,
+                                     metrics.PHASE_FORWARD)
+            else:
+                metrics.phase_sample(self.spec.tag, handle.rank,
+                                     handle.slot_names[pending], metrics.PHASE_ROWS)
         w.last = c
         for f in (w.unreleased.check(c.posted > c.released, c.posted, now),
                   w.unpublished.check(min(c.published) < c.posted, c.posted, now),
