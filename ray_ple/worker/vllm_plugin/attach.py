@@ -24,6 +24,11 @@ def check_engine(vllm_config: VllmConfig, settings: PleEngineSettings) -> None:
             f"({settings.geometry.max_tokens} tokens)")
     if par.pipeline_parallel_size != 1 or par.data_parallel_size != 1:
         raise PleConfigError("PLE offload supports tensor parallelism only (pp = dp = 1)")
+    if (settings.transport == "cuda" and settings.post == "host"
+            and sched.async_scheduling):
+        raise PleConfigError("async scheduling must be off with ple.post 'host' on the cuda "
+                             "transport: the worker posts ids from the host copy of the batch "
+                             "(ple.post 'stream' keeps it on)")
     check_speculation(vllm_config.speculative_config)
 
 
@@ -42,11 +47,6 @@ def check_speculation(spec) -> None:  # noqa: ANN001 - vLLM's SpeculativeConfig 
     raise PleConfigError(f"speculative decoding method {spec.method!r} "
                          f"({getattr(draft, 'model_type', None)!r} drafter) is not served "
                          f"with PLE offload (served: n-gram, Gemma 4's MTP drafter)")
-    if (settings.transport == "cuda" and settings.post == "host"
-            and sched.async_scheduling):
-        raise PleConfigError("async scheduling must be off with ple.post 'host' on the cuda "
-                             "transport: the worker posts ids from the host copy of the batch "
-                             "(ple.post 'stream' keeps it on)")
 
 
 def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worker_pair.WorkerPair:
