@@ -3,7 +3,8 @@
 Speculative decoding other than n-gram and Gemma 4's MTP drafter, images/audio/video in the
 config, and prompt embeddings are refused when the app is built (before any replica, actor or
 segment exists). A request that carries an image or audio reaches a model served as text:
-`serve run` answers it with a 400 and the replica keeps serving (tested in tests/test_serve.py, in the same `serve run`).
+`serve run` answers it with a 400 and the replica keeps serving (tested in
+tests/test_serve.py, in the same `serve run`).
 """
 
 from __future__ import annotations
