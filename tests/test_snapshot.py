@@ -146,7 +146,7 @@ def test_a_stable_jump_is_a_verdict_at_the_next_poll(pair):
     layer = GEOMETRY.tables[0]
     spec = SupervisorSpec(tag="snapshot", ple=ple, geometry=GEOMETRY, world_size=1,
                           replica_pid=replica.pid, sources=(TableSource(
-                              checkpoint_dir="/nonexistent", tensor_names=("t",), layer=layer),))
+                              checkpoint_dir="/nonexistent", tensor_names=("t",), table=layer),))
     handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
                               actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
                               layout=pair.layout)

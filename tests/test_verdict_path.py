@@ -61,7 +61,7 @@ def _supervisor(replica: subprocess.Popen, exits: Exits) -> Supervisor:
     spec = SupervisorSpec(
         tag="verdict-path", ple=PleConfig(), world_size=1, replica_pid=replica.pid,
         geometry=PleGeometry(architecture="Gemma4ForCausalLM", max_tokens=4, tables=(LAYER,)),
-        sources=(TableSource(checkpoint_dir="/nonexistent", tensor_names=("t",), layer=LAYER),))
+        sources=(TableSource(checkpoint_dir="/nonexistent", tensor_names=("t",), table=LAYER),))
     return Supervisor(spec, None, None, exit_soon=exits)
 
 

@@ -164,7 +164,7 @@ def jump_found(poll_interval_s: float = 0.02) -> dict[str, Any]:
     ple = PleConfig.model_validate({"supervisor": {"poll_interval_s": poll_interval_s}})
     spec = SupervisorSpec(tag="snapshot-stress", ple=ple, geometry=GEOMETRY, world_size=1,
                           replica_pid=replica.pid, sources=(TableSource(
-                              checkpoint_dir="/nonexistent", tensor_names=("t",), layer=layer),))
+                              checkpoint_dir="/nonexistent", tensor_names=("t",), table=layer),))
     handle = make_pair_handle(rank=0, segment=seg.ref(), node_id="local", actor_name="stress",
                               fingerprint="0" * 64, geometry=GEOMETRY, layout=block.layout)
     stop, steps = CTX.Value("b", 1, lock=False), CTX.Value("q", 0, lock=False)

@@ -106,7 +106,7 @@ class OffloadProcess:
                         deadlines=deadlines(), gather_threads=gather_threads)
         source = TableSource(checkpoint_dir=str(Path(checkpoint_dir).resolve()),
                              tensor_names=(TENSOR,),
-                             layer=geo.tables[0])
+                             table=geo.tables[0])
         spec = {"rank": 0, "actor_name": actor_name, "geometry": geo.model_dump(mode="json"),
                 "sources": [source.model_dump(mode="json")],
                 "config": cfg.model_dump(mode="json")}
