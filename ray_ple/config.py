@@ -84,7 +84,7 @@ class PleConfig(Frozen):
         "gather, copy or wait is on layer 0's gate (E4B: 134 MB of the 5.6 GB table a "
         "layer); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
         "auto: 1 on the cuda transport (decode steps then never wait for the first part: "
-        "bench/cuda/results/late-run19/resident), 0 on cpu, for Gemma 3n and for a one-layer model"
+        "bench/README.md, layer 0 resident), 0 on cpu, for Gemma 3n and for a one-layer model"
     )
     offload_spin_us: float = Field(
         0.0, ge=0, le=1e6, description="advanced: the offload actor spins this long on "

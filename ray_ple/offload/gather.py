@@ -11,7 +11,7 @@ run of *units*, the largest byte count that divides the row and every part's off
 width (one layer's 512 B on E4B), at indices `id * units_per_row + unit`. Fancy indexing of
 a column view (`table[idx, c0:c0 + w]`, how parts were gathered before) builds a temporary
 and copies it: a step's parts 1.9-2.2x slower at T >= 64 on the H200 host
-(bench/cuda/results/late-run17/gather; 1.7-2.3x on a 2-core VM), and `np.take` on the column
+(bench/README.md, gather; 1.7-2.3x on a 2-core VM), and `np.take` on the column
 view itself first copies the whole table to make it contiguous.
 
 With `gather_threads > 1`, steps of at least `_PARALLEL_MIN_TOKENS` tokens whose copy is

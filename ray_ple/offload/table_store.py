@@ -182,7 +182,7 @@ def _table_segment(size: int, shm_dir: str, huge_pages: HugePages,
                    fp: str) -> TableSegment:
     """The loader's new segment: on the hugetlb pool where `huge_pages` asks and the pool
     holds it (a step's first gather is bound by memory latency, and 2 MiB pages take most of
-    its page walks away: 3-18% on the H200 host, bench/cuda/results/late-run17/hugetlb), else 4 KiB
+    its page walks away: 3-18% on the H200 host, bench/README.md, huge pages), else 4 KiB
     shmem pages as before; "require" makes a short pool the one error."""
     if huge_pages != "off":
         try:
