@@ -70,6 +70,18 @@ EQUIVALENT: dict[str, str] = {
     "ray_ple/offload/actor.py:OffloadActor._serve: b is not None -> True or (b is not None)":
         "a type narrowing for the checker: the serving thread starts only after `setup` has "
         "set `self.block`, so the assertion never fails",
+    "ray_ple/offload/actor.py:OffloadActor._serve: spin_s and wait_until(lambda "
+    "last=end.last: b.posted != last, spin_s, spin_s=spin_s) -> True and wait_until(lambda "
+    "last=end.last: b.posted != last, spin_s, spin_s=spin_s)":
+        "the two differ only at spin_s == 0, and there by a race no test can place: the "
+        "mutant's wait_until has a zero deadline, so it reads `posted` at most three times "
+        "and returns before any nap (no sleep, no syscall). `announced` was just read equal "
+        "to `end.last` and is stored before `posted`, so a post is seen there only if it "
+        "was announced and posted in the microseconds since; the mutant serves it on the "
+        "next turn, and the original's `end.sleep` finds `announced` ahead, does not wait, "
+        "and serves it on that same turn. Only the original's `sleeping`, up for one fence "
+        "meanwhile, differs: a worker posting then may ring once more (a queued ring: one "
+        "early wake that finds nothing new)",
     "ray_ple/protocol/transaction.py:peer_state: block.ready() -> False and (block.ready())":
         "a fast path only: where `ready()` holds (reason 0, state word READY) the code after "
         "it reads `state` as READY and returns None too",

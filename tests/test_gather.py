@@ -3,6 +3,8 @@ and without its thread pool, ids outside the table reading row 0 as vLLM's Gemma
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,7 @@ def test_rows_and_parts_are_the_tables_bytes(threads: int, t: int, part_pool: bo
         gather.close()
 
 
-@pytest.mark.parametrize("layer_bytes", [24, 4])  # a unit take; below _MIN_UNIT, fancy indexing
+@pytest.mark.parametrize("layer_bytes", [24, 16, 4])  # unit takes (16: _MIN_UNIT); 4: fancy
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("t", [2, 64, 300])
@@ -62,5 +64,41 @@ def test_uneven_parts_of_layers_are_the_tables_bytes(layer_bytes: int, contiguou
         gather(ids, part, col_offset=c0, fresh=k == 0)
         assert np.array_equal(part, want[:, c0:c0 + w]), k
         first += layers
-    assert bool(gather._units) == (contiguous and layer_bytes >= gather_module._MIN_UNIT)
+    units = [u for u in (layer_bytes, 3 * layer_bytes) if u >= gather_module._MIN_UNIT]
+    assert sorted(gather._units) == (units if contiguous else [])
     gather.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_take_copies_straight_into_the_slot(whole: bool, threads: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole row, and a part whose unit is `_MIN_UNIT`, go straight into `out`: no
+    temporary of the step's rows (fancy indexing builds one; so does take's mode="raise").
+    Each thread's index arithmetic may take a ufunc buffer (64 KiB): the bound allows it."""
+    monkeypatch.setattr(gather_module, "_PARALLEL_MIN_PART_BYTES", 0)
+    unit, t = gather_module._MIN_UNIT, 512
+    row_bytes = 512 * unit
+    c0, w = (0, row_bytes) if whole else (unit, 255 * unit)  # gcd(row_bytes, c0, w) == unit
+    rng = np.random.default_rng(w)
+    table = rng.integers(0, 256, (ROWS, row_bytes), dtype=np.uint8)
+    ids = rng.integers(-5, ROWS + 5, t).astype(np.int32)
+    gather = RowGatherer(table, max_tokens=t, threads=threads)
+    out = np.zeros((t, w), np.uint8)
+    started = not tracemalloc.is_tracing()
+    try:
+        gather(ids, out, col_offset=c0)  # the first call grows the part's index buffer
+        out[:] = 0
+        if started:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        gather(ids, out, col_offset=c0, fresh=False)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if started:
+            tracemalloc.stop()
+        gather.close()
+    want = table[np.where((ids < 0) | (ids >= ROWS), 0, ids)]
+    assert np.array_equal(out, want[:, c0:c0 + w])
+    assert peak < out.nbytes // 4, (peak, out.nbytes)  # a temporary: a thread's third at least
