@@ -51,19 +51,48 @@ def refuse_unsupported(engine_kwargs: dict[str, Any]) -> None:
     """Engine features the offload does not serve, refused before anything starts.
 
     Speculative decoding: only methods whose drafter reads no PLE table (`speculation`).
-    Images, audio, video: the model is served as text (its towers are never built), so a
-    config that asks for them is refused here, and a request that carries them gets vLLM's
-    400. Prompt embeddings: no token ids, so no rows to look up.
+    Images and audio: served for the architectures with a media class (`check_media`);
+    video is refused. Prompt embeddings: no token ids, so no rows to look up.
     """
     speculation(engine_kwargs.get("speculative_config"))
-    limits = engine_kwargs.get("limit_mm_per_prompt") or {}
-    asked = sorted(m for m, n in limits.items()
-                   if (n.get("count", 1) if isinstance(n, dict) else n))
-    if asked:
-        raise PleConfigError(f"PLE offload serves the model as text: images, audio and video "
-                             f"are refused, but limit_mm_per_prompt allows {asked}")
+    if "video" in media_asked(engine_kwargs):
+        raise PleConfigError("PLE offload serves images and audio, not video: set "
+                             "limit_mm_per_prompt.video to 0")
     if engine_kwargs.get("enable_prompt_embeds"):
         raise PleConfigError("PLE offload needs token ids: enable_prompt_embeds is refused")
+
+
+def media_asked(engine_kwargs: dict[str, Any]) -> list[str]:
+    """The modalities `limit_mm_per_prompt` allows (a count above 0)."""
+    limits = engine_kwargs.get("limit_mm_per_prompt") or {}
+    if not isinstance(limits, dict):
+        raise PleConfigError(f"engine_kwargs.limit_mm_per_prompt must be a mapping, not "
+                             f"{type(limits).__name__}")
+    return sorted(m for m, n in limits.items()
+                  if (n.get("count", 1) if isinstance(n, dict) else n))
+
+
+def check_media(architecture: str, post: str) -> str:
+    """The media offload class of `architecture`, for a config that asks for images or audio.
+
+    Its steps are posted by the host: the runner maps media positions to id 0 on the host's
+    copy of the ids (vLLM's own rule for the per-layer lookup), so a stream post, which
+    posts the device's ids as they are, is refused.
+    """
+    media_arch = ARCHITECTURES[architecture].media_arch
+    if media_arch is None:
+        raise PleConfigError(f"PLE offload serves {architecture} as text: images and audio "
+                             f"are served for Gemma4ForConditionalGeneration checkpoints; set "
+                             f"limit_mm_per_prompt to 0, or ple.enabled: false")
+    if post == "stream":
+        raise PleConfigError("ple.post 'stream' is not served with images and audio (the host "
+                             "posts each step, media positions mapped to id 0): use 'auto'")
+    try:
+        from transformers import Gemma4Processor  # noqa: F401 - vLLM's media class needs it
+    except ImportError as exc:
+        raise PleConfigError(f"images and audio need Gemma 4's processor, which does not "
+                             f"import here ({exc}; it needs torchvision)") from exc
+    return media_arch
 
 
 # `speculative_config.method` values vLLM 0.32 reads as n-gram or as MTP (its aliases)
@@ -151,6 +180,9 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     if speculation(kw.get("speculative_config")) == "mtp":
         check_drafter(kw["speculative_config"], geometry.architecture)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
+    arch = ARCHITECTURES[geometry.architecture].offload_arch
+    if media_asked(kw):
+        arch, post = check_media(geometry.architecture, post), "host"
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
                              f"the step), not {transport!r}")
@@ -161,7 +193,7 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
         raise PleConfigError(f"worker_cls is set by ray-ple ({WORKER_CLS[transport]})")
     kw["worker_cls"] = WORKER_CLS[transport]
     hf_overrides = dict(kw.get("hf_overrides") or {})
-    hf_overrides["architectures"] = [ARCHITECTURES[geometry.architecture].offload_arch]
+    hf_overrides["architectures"] = [arch]
     kw["hf_overrides"] = hf_overrides
     kw["additional_config"] = {**(kw.get("additional_config") or {}),
                                **settings.additional_config()}

@@ -23,7 +23,7 @@ from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
 SCHEME = "ray-ple://"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class _TinyShape(Frozen):
@@ -92,8 +92,9 @@ PRESETS: dict[str, AnySpec] = {
     # their defaults, no tower weights): what ray-ple serves as text, refusing images
     "tiny-gemma3n-mm": TinyGemma3nSpec(multimodal=True),
     "tiny-gemma4-mm": TinySpec(multimodal=True),
-    # with its vision and audio towers and processor: what serving images and audio needs
-    "tiny-gemma4-towers": TinyGemma4TowersSpec(),
+    # with its vision and audio towers and processor: what serving images and audio needs;
+    # its per-layer scale sqrt(24) is no power of two, so rounding the scaled rows shows
+    "tiny-gemma4-towers": TinyGemma4TowersSpec(hidden_size_per_layer_input=24),
 }
 
 
@@ -201,7 +202,9 @@ def _gemma4_towers(spec: TinyGemma4TowersSpec) -> Any:
         text_config=text.to_dict(),
         vision_config={"hidden_size": h, "intermediate_size": 2 * h, "num_hidden_layers": n,
                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": h // 2,
-                       "position_embedding_size": 1024},
+                       "position_embedding_size": 1024,
+                       # vLLM sizes an image's soft tokens from it (released configs carry it)
+                       "default_output_length": spec.max_soft_tokens},
         # transformers sizes the audio projection as if the first conv had 128 channels
         audio_config={"hidden_size": h, "num_hidden_layers": n, "num_attention_heads": 2,
                       "subsampling_conv_channels": [128, 8], "output_proj_dims": h},

@@ -27,6 +27,7 @@ class ArchSpec(BaseModel):
     offload_arch: str
     checkpoint_tensors: tuple[str, ...]
     late_waits: bool = False  # its offload class pulls each part at its first layer's gate
+    media_arch: str | None = None  # its offload class with images and audio, where served
 
 
 # Architectures whose PLE lookup ray-ple replaces (vLLM 0.32 module prefixes).
@@ -40,13 +41,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ),
         late_waits=True,
     ),
-    # The released E2B/E4B checkpoints: served text-only through the same class (vLLM's
-    # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers).
+    # The released E2B/E4B checkpoints: as text through the same class (vLLM's
+    # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers); with
+    # images and audio asked for, through vLLM's multimodal class around it.
     "Gemma4ForConditionalGeneration": ArchSpec(
         module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
         late_waits=True,
+        media_arch="RayPleGemma4ForConditionalGeneration",
     ),
     # vLLM's own text Gemma3nForCausalLM never reads its PLE table (only its multimodal class
     # does); the offload class is that class's text path (worker/vllm_plugin/gemma3n.py).

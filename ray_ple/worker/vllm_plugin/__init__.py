@@ -11,12 +11,15 @@ from ray_ple.protocol.geometry import ARCHITECTURES
 _MODULES = {
     "RayPleGemma4ForCausalLM": "ray_ple.worker.vllm_plugin.gemma4:RayPleGemma4ForCausalLM",
     "RayPleGemma3nForCausalLM": "ray_ple.worker.vllm_plugin.gemma3n:RayPleGemma3nForCausalLM",
+    "RayPleGemma4ForConditionalGeneration":
+        "ray_ple.worker.vllm_plugin.gemma4_media:RayPleGemma4ForConditionalGeneration",
 }
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    for arch in {spec.offload_arch for spec in ARCHITECTURES.values()}:
+    archs = {a for spec in ARCHITECTURES.values() for a in (spec.offload_arch, spec.media_arch)}
+    for arch in archs - {None}:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, _MODULES[arch])

