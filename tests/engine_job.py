@@ -21,8 +21,9 @@ def _inventory(worker: Any) -> list[tuple[str, list[int]]]:
     return [(n, list(t.shape)) for n, t in named]
 
 
-def _altered_copy(checkpoint: str, fill: float, out_dir: str) -> str:
-    """The checkpoint with every PLE row set to `fill`, all else shared (symlinks).
+def _altered_copy(checkpoint: str, fill: float, out_dir: str, row: int | None = None) -> str:
+    """The checkpoint with every PLE row (or only `row`) set to `fill`, all else shared
+    (symlinks).
 
     The node table is a sealed, read-only copy of the checkpoint's tensor: nothing can alter
     it in place, so the altered table is served from an altered checkpoint instead.
@@ -40,7 +41,7 @@ def _altered_copy(checkpoint: str, fill: float, out_dir: str) -> str:
         tensors = load_file(str(f))
         for name, t in tensors.items():
             if "embed_tokens_per_layer" in name:
-                t.fill_(fill)
+                (t if row is None else t[row]).fill_(fill)
         save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
     return str(dst)
 

