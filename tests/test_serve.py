@@ -11,9 +11,7 @@ first succeeds.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import json
 import os
 import subprocess
@@ -31,7 +29,16 @@ from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, remove_unuse
 from ray_ple.tiny_model import PRESETS, build
 from tests.hf_reference import hf_agrees
 from tests.leftovers import ple_processes, ple_shm_entries
-from tests.serving import BASE, ServeRun, complete, load_config, offload_pids, table_mappings
+from tests.serving import (
+    BASE,
+    ServeRun,
+    audio_part,
+    complete,
+    image_part,
+    load_config,
+    offload_pids,
+    table_mappings,
+)
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8], [100, 101], [9, 30, 31, 32, 33, 34, 35, 36], [250, 4]]
@@ -273,28 +280,7 @@ def test_doctor_figures_equal_what_the_server_logs(served):
 
 
 # Images and audio: the models are served as text; a request with media is refused (400)
-def _png() -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _wav() -> str:
-    import wave
-
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes(b"\0\0" * 1600)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-MEDIA = {
-    "image": lambda: {"type": "image_url", "image_url": {"url": _png()}},
-    "audio": lambda: {"type": "input_audio", "input_audio": {"data": _wav(), "format": "wav"}},
-}
+MEDIA = {"image": lambda: image_part((200, 30, 30)), "audio": lambda: audio_part(None)}
 MEDIA_MODELS = ["tiny-gemma4", "tiny-gemma3n"]
 
 
