@@ -131,7 +131,7 @@ def _dockerfile(path: Path) -> dict[str, Any]:
 def test_dockerfiles_are_the_install_script():
     """Each image the README builds runs `scripts/install.sh` (its only RUN) with the extra the
     README names, into the base image's Python, on the Ray and Python of the manifests; its tag
-    is the `image` of the manifests whose transport that extra serves."""
+    is the `image` of the manifests whose transport its first extra serves."""
     import tomllib
 
     readme = (ROOT / "k8s" / "README.md").read_text()
@@ -151,9 +151,10 @@ def test_dockerfiles_are_the_install_script():
         assert set(extras.split(",")) <= set(project["optional-dependencies"]), file
         assert image["env"]["RAY_PLE_VENV"] == "/home/ray/anaconda3", file  # the base's Python
         ray = {s.ray_version for s in SPECS.values()}.pop()
-        flavour = "cpu" if extras == "cpu" else "cu128"
+        transport = extras.split(",")[0]  # the engine's extra first, then `media`
+        flavour = "cpu" if transport == "cpu" else "cu128"
         assert image["from"] == [f"rayproject/ray:{ray}-py311-{flavour}"], file
-        assert images.get(tag) == {extras}, f"{file}: {tag} serves {images.get(tag)}"
+        assert images.get(tag) == {transport}, f"{file}: {tag} serves {images.get(tag)}"
         # what `pip install -e .` and the script need from the build context
         needed = {"pyproject.toml", project["readme"], "ray_ple", "scripts"}
         assert needed <= set(image["copy"]), f"{file} copies {image['copy']}"
