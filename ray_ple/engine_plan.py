@@ -5,6 +5,7 @@ Shared by the Serve builder and the offline API, so both start engines the same 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ray_ple.base import Frozen
@@ -81,18 +82,31 @@ def check_media(architecture: str, post: str) -> str:
     """
     media_arch = ARCHITECTURES[architecture].media_arch
     if media_arch is None:
+        served = sorted(a for a, spec in ARCHITECTURES.items() if spec.media_arch)
         raise PleConfigError(f"PLE offload serves {architecture} as text: images and audio "
-                             f"are served for Gemma4ForConditionalGeneration checkpoints; set "
+                             f"are served for {' and '.join(served)} checkpoints; set "
                              f"limit_mm_per_prompt to 0, or ple.enabled: false")
     if post == "stream":
         raise PleConfigError("ple.post 'stream' is not served with images and audio (the host "
                              "posts each step, media positions mapped to id 0): use 'auto'")
+    what, name, needs = MEDIA_IMPORTS[architecture]
+    module, _, attr = name.partition(":")
     try:
-        from transformers import Gemma4Processor  # noqa: F401 - vLLM's media class needs it
-    except ImportError as exc:
-        raise PleConfigError(f"images and audio need Gemma 4's processor, which does not "
-                             f"import here ({exc}; it needs torchvision)") from exc
+        getattr(importlib.import_module(module), attr) if attr else \
+            importlib.import_module(module)
+    except (ImportError, AttributeError) as exc:
+        raise PleConfigError(f"images and audio need {what}, which does not import here "
+                             f"({exc}; it needs {needs})") from exc
     return media_arch
+
+
+# what vLLM's media class of an architecture imports beyond vLLM's own requirements
+MEDIA_IMPORTS = {
+    "Gemma4ForConditionalGeneration": ("Gemma 4's processor", "transformers:Gemma4Processor",
+                                       "torchvision"),
+    "Gemma3nForConditionalGeneration": ("Gemma 3n's vision tower (built even with images "
+                                        "off)", "timm", "timm, and torchvision beside it"),
+}
 
 
 # `speculative_config.method` values vLLM 0.32 reads as n-gram or as MTP (its aliases)

@@ -23,7 +23,7 @@ from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
 SCHEME = "ray-ple://"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 class _TinyShape(Frozen):
@@ -71,7 +71,20 @@ class TinyGemma3nSpec(_TinyShape):
     laurel_rank: int = 8
 
 
-AnySpec = TinySpec | TinyGemma4TowersSpec | TinyGemma3nSpec
+class TinyGemma3nTowersSpec(TinyGemma3nSpec):
+    """A Gemma 3n with a small audio tower and a narrow MobileNetV5 vision tower (timm's, its
+    channels scaled down; random weights) and its processor's files. The media tokens sit
+    above the per-layer vocabulary, as in the released layout (`MEDIA_TOKENS_3N`)."""
+
+    multimodal: Literal[True] = True
+    towers: Literal[True] = True
+    image_px: int = Field(64, description="the image processor's square size")
+    soft_tokens: int = Field(16, description="soft tokens an image or a sound becomes")
+    vision_channel_multiplier: float = 0.125
+    audio_hidden_size: int = 64
+
+
+AnySpec = TinySpec | TinyGemma4TowersSpec | TinyGemma3nSpec | TinyGemma3nTowersSpec
 
 # Gemma 4's media tokens (the released tokenizer's spellings), at the vocabulary's last ids
 MEDIA_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
@@ -95,6 +108,7 @@ PRESETS: dict[str, AnySpec] = {
     # with its vision and audio towers and processor: what serving images and audio needs;
     # its per-layer scale sqrt(24) is no power of two, so rounding the scaled rows shows
     "tiny-gemma4-towers": TinyGemma4TowersSpec(hidden_size_per_layer_input=24),
+    "tiny-gemma3n-towers": TinyGemma3nTowersSpec(),
 }
 
 
@@ -127,39 +141,69 @@ def resolve(source: str) -> str:
     return str(build(PRESETS[name]))
 
 
+# Gemma 3n's media tokens (the released tokenizer's spellings) and the newline words vLLM's
+# Gemma 3n processor merges around them; ids from the spec's `vocab_size_per_layer_input`
+# (`media_token_ids_3n`): begin tokens below it, the rest above, as released
+MEDIA_TOKENS_3N = {"boi_token": "<start_of_image>", "boa_token": "<start_of_audio>",
+                   "nl1": "\n", "nl2": "\n\n", "nl3": "\n\n\n", "nl4": "\n\n\n\n",
+                   "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+                   "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+
+
 def media_token_ids(vocab_size: int) -> dict[str, int]:
     """Each `MEDIA_TOKENS` name -> its id in a towers checkpoint's vocabulary."""
     first = vocab_size - len(MEDIA_TOKENS)
     return {name: first + i for i, name in enumerate(MEDIA_TOKENS)}
 
 
-# Media parts as the released Gemma 4 template places them: one placeholder per item,
-# which vLLM's processor expands into the item's soft tokens between its begin/end tokens
-_MEDIA_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} "
-                   "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}"
-                   "{{ c['text'] }} {% elif c['type'] == 'image' %}<|image|> "
-                   "{% elif c['type'] == 'audio' %}<|audio|> {% endif %}{% endfor %}{% endif %}"
-                   "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")
+def media_token_ids_3n(spec: TinyGemma3nTowersSpec) -> dict[str, int]:
+    """Each `MEDIA_TOKENS_3N` name -> its id: the six begin and newline words just below the
+    per-layer vocabulary's end, each tower's hard tokens at the start of its own range
+    (vision, then audio, as the released checkpoints lay them out)."""
+    v = spec.vocab_size_per_layer_input
+    vision, audio = _tower_vocab_3n(spec)
+    below = ("boi_token", "boa_token", "nl1", "nl2", "nl3", "nl4")
+    return {**{n: v - len(below) + i for i, n in enumerate(below)},
+            "eoi_token": vision[0], "image_token": vision[0] + 1,
+            "eoa_token": audio[0], "audio_token": audio[0] + 1}
 
 
-def _tokenizer(vocab_size: int, out: Path, media: bool = False) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _tower_vocab_3n(spec: TinyGemma3nTowersSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(offset, size) of the vision and the audio tower's hard-token vocabularies: the ids
+    from `vocab_size_per_layer_input` to `vocab_size`, halved."""
+    v, n = spec.vocab_size_per_layer_input, (spec.vocab_size - spec.vocab_size_per_layer_input)
+    return (v, n // 2), (v + n // 2, n - n // 2)
+
+
+def _media_template(image: str, audio: str) -> str:
+    """Media parts as the released templates place them: one placeholder per item, which
+    vLLM's processor expands into the item's soft tokens between its begin/end tokens."""
+    return ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} "
+            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}"
+            f"{{{{ c['text'] }}}} {{% elif c['type'] == 'image' %}}{image} "
+            f"{{% elif c['type'] == 'audio' %}}{audio} {{% endif %}}{{% endfor %}}{{% endif %}}"
+            "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")
+
+
+def _tokenizer(vocab_size: int, out: Path, media: dict[int, str] | None = None,
+               special: dict[str, str] | None = None, template: str | None = None) -> None:
+    """A word-level tokenizer (`w<i>`); `media`: ids spelled otherwise, matched before the
+    split on whitespace (newlines included); `special`: the names the processor reads
+    (`tokenizer.image_token`, ...)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"w{i}" for i in range(4, vocab_size)]
-    media_ids = media_token_ids(vocab_size) if media else {}
-    for name, i in media_ids.items():
-        words[i] = MEDIA_TOKENS[name]
+    for i, spelling in (media or {}).items():
+        words[i] = spelling
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    kwargs: dict[str, Any] = {}
-    if media:  # `tokenizer.image_token(_id)` etc., as Gemma4Processor reads them
-        kwargs["extra_special_tokens"] = {n: MEDIA_TOKENS[n] for n in MEDIA_TOKENS
-                                          if n != "video_token"}
+    tok.add_special_tokens([AddedToken(w, normalized=False) for w in (media or {}).values()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>", **kwargs)
-    fast.chat_template = _MEDIA_TEMPLATE if media else (
+                                   bos_token="<bos>", unk_token="<unk>",
+                                   **({"extra_special_tokens": special} if special else {}))
+    fast.chat_template = template or (
         "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}w4{% endif %}")
     fast.save_pretrained(out)
@@ -258,7 +302,13 @@ def _gemma3n(spec: TinyGemma3nSpec) -> Any:
     )
     cfg.architectures = ["Gemma3nForCausalLM"]
     torch.manual_seed(spec.seed)
-    model = Gemma3nForCausalLM(cfg)
+    return _gemma3n_weights(Gemma3nForCausalLM(cfg), spec)
+
+
+def _gemma3n_weights(model: Any, spec: TinyGemma3nSpec) -> Any:
+    """AltUp's output scales near one and a unit-variance PLE table (see `_gemma3n`), bf16."""
+    import torch
+
     gen = torch.Generator().manual_seed(spec.seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -267,6 +317,57 @@ def _gemma3n(spec: TinyGemma3nSpec) -> Any:
             elif name.endswith("embed_tokens_per_layer.weight"):
                 p.normal_(0.0, 1.0, generator=gen)
     return model.to(torch.bfloat16)
+
+
+def _gemma3n_towers(spec: TinyGemma3nTowersSpec) -> Any:
+    """`_gemma3n`'s text model inside a Gemma3nForConditionalGeneration with small towers
+    (the vision tower is timm's MobileNetV5 encoder, narrowed by a channel multiplier)."""
+    import torch
+    from transformers import Gemma3nConfig, Gemma3nForConditionalGeneration
+
+    text = _gemma3n(spec).config
+    text.architectures = None
+    vision, audio = _tower_vocab_3n(spec)
+    ids = media_token_ids_3n(spec)
+    side = spec.image_px // 16  # the encoder fuses its last two maps at stride 16
+    if side * side != spec.soft_tokens:
+        raise PleModelError(f"tiny Gemma 3n towers: {spec.image_px} px images give "
+                            f"{side * side} soft tokens, not {spec.soft_tokens}")
+    cfg = Gemma3nConfig(
+        text_config=text.to_dict(),
+        vision_config={"vocab_offset": vision[0], "vocab_size": vision[1],
+                       "model_args": {"channel_multiplier": spec.vision_channel_multiplier,
+                                      "msfa_output_resolution": side}},
+        audio_config={"vocab_offset": audio[0], "vocab_size": audio[1],
+                      "hidden_size": spec.audio_hidden_size, "conf_num_attention_heads": 2,
+                      "conf_num_hidden_layers": 1, "sscp_conv_channel_size": [16, 8]},
+        audio_soft_tokens_per_image=spec.soft_tokens,
+        vision_soft_tokens_per_image=spec.soft_tokens,
+        boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+        image_token_id=ids["image_token"], boa_token_id=ids["boa_token"],
+        eoa_token_id=ids["eoa_token"], audio_token_id=ids["audio_token"])
+    cfg.architectures = [architecture(spec)]
+    torch.manual_seed(spec.seed)
+    return _gemma3n_weights(Gemma3nForConditionalGeneration(cfg), spec)
+
+
+def _processor_files_3n(spec: TinyGemma3nTowersSpec, out: Path) -> None:
+    """Gemma3nProcessor's config: SigLIP's image processor at the tower's size, the audio
+    feature extractor at its defaults, both media as `soft_tokens` placeholders."""
+    from transformers.models.gemma3n.feature_extraction_gemma3n import (
+        Gemma3nAudioFeatureExtractor,
+    )
+
+    image = {"image_processor_type": "SiglipImageProcessor", "do_resize": True,
+             "size": {"height": spec.image_px, "width": spec.image_px}, "resample": 2,
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "do_convert_rgb": True}
+    audio = json.loads(Gemma3nAudioFeatureExtractor().to_json_string())
+    config = {"processor_class": "Gemma3nProcessor", "image_seq_length": spec.soft_tokens,
+              "audio_seq_length": spec.soft_tokens, "image_processor": image,
+              "feature_extractor": audio}
+    (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _as_multimodal(spec: AnySpec, out: Path) -> None:
@@ -298,17 +399,34 @@ def build(spec: AnySpec) -> Path:
         if done.exists():
             return out
         progress = Progress("tiny_model_build", 3, path=str(out))
-        towers = isinstance(spec, TinyGemma4TowersSpec)
-        model = (_gemma3n(spec) if isinstance(spec, TinyGemma3nSpec)
-                 else _gemma4_towers(spec) if towers else _gemma4(spec))
+        if isinstance(spec, TinyGemma3nTowersSpec):
+            model = _gemma3n_towers(spec)
+        elif isinstance(spec, TinyGemma3nSpec):
+            model = _gemma3n(spec)
+        else:
+            model = _gemma4_towers(spec) if isinstance(spec, TinyGemma4TowersSpec) else \
+                _gemma4(spec)
         progress.update(1)
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
-        if towers:
+        if isinstance(spec, TinyGemma3nTowersSpec):
+            _processor_files_3n(spec, tmp)
+            ids = media_token_ids_3n(spec)
+            _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS_3N[n] for n in ids},
+                       {n: MEDIA_TOKENS_3N[n] for n in ids if n.endswith("_token")},
+                       _media_template(MEDIA_TOKENS_3N["image_token"],
+                                       MEDIA_TOKENS_3N["audio_token"]))
+        elif isinstance(spec, TinyGemma4TowersSpec):
             _processor_files(spec, tmp)
-        elif spec.multimodal:
-            _as_multimodal(spec, tmp)
-        _tokenizer(spec.vocab_size, tmp, media=towers)
+            ids = media_token_ids(spec.vocab_size)
+            # `tokenizer.image_token(_id)` etc., as Gemma4Processor reads them
+            _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS[n] for n in ids},
+                       {n: MEDIA_TOKENS[n] for n in MEDIA_TOKENS if n != "video_token"},
+                       _media_template(MEDIA_TOKENS["image_token"], MEDIA_TOKENS["audio_token"]))
+        else:
+            if spec.multimodal:
+                _as_multimodal(spec, tmp)
+            _tokenizer(spec.vocab_size, tmp)
         progress.update(2)
         if out.exists():
             import shutil

@@ -54,12 +54,12 @@ def test_video_in_the_config_is_refused(limits):
         validate_args(_args(limit_mm_per_prompt=limits))
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma3n-mm"])
+@pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma3n"])
 @pytest.mark.parametrize("limits", [{"image": 1}, {"audio": 2, "image": 0}])
 def test_images_and_audio_for_a_model_served_as_text_are_refused(preset, limits):
-    """Served for Gemma4ForConditionalGeneration only (tests/test_media_offload.py)."""
+    """Served for the multimodal checkpoints only (tests/test_media_offload.py)."""
     with pytest.raises(PleConfigError, match="as text: images and audio are served for "
-                                             "Gemma4ForConditionalGeneration"):
+                       "Gemma3nForConditionalGeneration and Gemma4ForConditionalGeneration"):
         plan_offload(str(build(PRESETS[preset])), PleConfig(),
                      {"limit_mm_per_prompt": limits}, "cpu")
 

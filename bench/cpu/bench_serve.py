@@ -198,13 +198,49 @@ def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
+    if a.media == "image":  # one random image a request, through the chat API
+        data = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                "--dataset-name", "random-mm", "--random-mm-base-items-per-request", "1",
+                "--random-mm-num-mm-items-range-ratio", "0",
+                "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                "--random-mm-bucket-config", f"{{({a.image_px}, {a.image_px}, 1): 1.0}}"]
+    else:
+        data = ["--backend", "openai", "--endpoint", "/v1/completions",
+                "--dataset-name", "random"]
     return parser.parse_args([
-        "--backend", "openai", "--base-url", f"{BASE}/{side}", "--endpoint", "/v1/completions",
-        "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+        *data, "--base-url", f"{BASE}/{side}",
+        "--model", model, "--tokenizer", tokenizer,
         "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
         "--num-prompts", str(a.prompts), "--max-concurrency", "1", "--ignore-eos",
         "--seed", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
-        "--save-result", "--result-dir", str(result_dir), "--result-filename", name])
+        "--temperature", str(a.temperature), "--save-result", "--save-detailed",
+        "--result-dir", str(result_dir), "--result-filename", name])
+
+
+def spec_decode_totals(root: int) -> dict[str, list[float]]:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens) per engine, read
+    from the `serve run` cluster's metrics endpoints (found through Ray's service-discovery
+    file in the session directory named on the cluster's command lines). Ray Serve LLM
+    exports them through Ray, not at the application's `/metrics`, so the client cannot."""
+    import re
+
+    sessions = set()
+    for p in psutil.Process(root).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            sessions |= set(re.findall(r"--session[-_]dir=(\S+)", " ".join(p.cmdline())))
+    totals: dict[str, list[float]] = {}
+    for session in sessions:
+        with contextlib.suppress(OSError, ValueError):
+            sd = json.loads((Path(session) / "prom_metrics_service_discovery.json").read_text())
+            for target in (t for group in sd for t in group["targets"]):
+                with contextlib.suppress(requests.RequestException):
+                    text = requests.get(f"http://{target}/metrics", timeout=10).text
+                    for name, labels, value in re.findall(
+                            r"^(\w*spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)"
+                            r"(?:_total)?)\{(.*)\} (\S+)$", text, re.M):
+                        kind = name.split("spec_decode_num_")[1].removesuffix("_total")
+                        totals.setdefault(f"{kind} {labels}", []).append(float(value))
+    return totals
 
 
 def served_handoff(timing_dir: Path) -> list[dict[str, Any]]:
@@ -360,6 +396,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="requests per side per round")
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy, and each round counts the requests whose texts differ "
+                    "between the sides (`texts_differ`); vLLM's client sends none unless "
+                    "given, and the server then samples at 1")
+    ap.add_argument("--media", choices=("image",), help="each request carries one random "
+                    "image, sent through the chat API (the config must serve images; "
+                    "torchvision's Python half from scripts/install.sh comes on PYTHONPATH)")
+    ap.add_argument("--image-px", type=int, default=64, help="the images' height and width")
+    ap.add_argument("--spec-wait-s", type=float, default=12.0,
+                    help="with a speculative config: wait before reading vLLM's spec-decode "
+                    "counters at the end (Ray exports each process's metrics every 10 s)")
     ap.add_argument("--only", choices=SIDES, help="serve this side alone (no ratio: run "
                     "once per side, one after the other)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
@@ -415,20 +462,28 @@ def main() -> None:
             "args": {k: str(v).replace(str(REPO) + "/", "") for k, v in vars(a).items()}}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
     serve_bin = Path(sys.executable).with_name("serve")
+    env = dict(os.environ)
+    if a.media:
+        from tests.media import media_env
+
+        env.update(media_env())  # the cluster's processes inherit it from `serve run`
+    speculative = bool(entry.get("engine_kwargs", {}).get("speculative_config"))
     with open(log, "w") as out:
         # SIGINT back to default: a bench started in the background by a shell without job
         # control ignores it, and the Ctrl-C that ends `serve run` below would do nothing
         proc = subprocess.Popen([str(serve_bin), "run", str(cfg_path)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     rows = []
+    spec: dict[str, list[float]] = {}
     try:
         wait_ready(proc, model, log, sides)
         from vllm.benchmarks.serve import main as bench
 
         for r in range(a.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
-            got = {}
+            got: dict[str, Any] = {}
+            texts: dict[str, list[str]] = {}
             for side in order:
                 time.sleep(a.quiet_s)  # the other engine's readers stop spinning (see --quiet-s)
                 before = cpu_seconds(proc.pid)
@@ -436,14 +491,22 @@ def main() -> None:
                 res = bench(client_args(side, model, tokenizer, a, a.out / "client",
                                         f"round{r}-{side}.json"))
                 got[side] = {m: res[m] for m in METRICS}
+                texts[side] = res["generated_texts"]
                 got[side]["window_ns"] = [t0, time.monotonic_ns()]
                 got[side].update(cpu_spent(before, cpu_seconds(proc.pid)))
                 got[side]["load1"] = os.getloadavg()[0]
             row = {"round": r, "order": list(order), **got}
             if len(sides) == 2:
                 row["ratio"] = {m: got["ple"][m] / got["plain"][m] for m in METRICS}
+                # greedy, the same requests: the two sides' texts are the same, request by
+                # request (a benchmark records it; tests/ are where it is asserted)
+                row["texts_differ"] = None if a.temperature else sum(
+                    x != y for x, y in zip(texts["ple"], texts["plain"], strict=True))
             rows.append(row)
             print(json.dumps({"event": "round", **row}), flush=True)
+        if speculative:
+            time.sleep(a.spec_wait_s)
+            spec = spec_decode_totals(proc.pid)
     finally:
         if a.timing or a.step_clock:
             time.sleep(2.5)  # every process's sink writes its last second out
@@ -457,6 +520,8 @@ def main() -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     summary = summarize(rows, sides)
+    if speculative:  # one entry per engine: the same greedy requests, the same counts
+        summary["spec_decode_totals"] = spec
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if a.timing:
         table = served_handoff(timing_dir)

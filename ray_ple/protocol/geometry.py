@@ -61,11 +61,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "model.language_model.embed_tokens_per_layer.weight",
         ),
     ),
-    # The released E2B/E4B checkpoints: served text-only, images and audio refused.
+    # The released E2B/E4B checkpoints: as text through the same class; with images and audio
+    # asked for, through vLLM's multimodal class around it.
     "Gemma3nForConditionalGeneration": ArchSpec(
         module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma3nForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
+        media_arch="RayPleGemma3nForConditionalGeneration",
     ),
 }
 

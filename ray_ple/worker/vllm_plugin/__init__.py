@@ -13,6 +13,8 @@ _MODULES = {
     "RayPleGemma3nForCausalLM": "ray_ple.worker.vllm_plugin.gemma3n:RayPleGemma3nForCausalLM",
     "RayPleGemma4ForConditionalGeneration":
         "ray_ple.worker.vllm_plugin.gemma4_media:RayPleGemma4ForConditionalGeneration",
+    "RayPleGemma3nForConditionalGeneration":
+        "ray_ple.worker.vllm_plugin.gemma3n_media:RayPleGemma3nForConditionalGeneration",
 }
 
 

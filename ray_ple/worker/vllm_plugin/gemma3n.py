@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
-from vllm.model_executor.models.utils import maybe_prefix
 
 from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
@@ -66,8 +65,9 @@ class RayPleGemma3nForCausalLM(Gemma3nForCausalLM):
                                  f"geometry {layer.row_elems}")
         with without_table(text, layer):
             super().__init__(vllm_config=text_vllm_config, prefix=prefix)
+        # named as the table is, "model.", also inside the media class's `language_model`
         self.model.self_decoder.embed_tokens_per_layer = offload_embedding(
-            layer, maybe_prefix(prefix, "model"), vllm_config.model_config.dtype)
+            layer, "model", vllm_config.model_config.dtype)
         embed = self.model.embed_tokens.weight
         # As vLLM's Gemma3nForConditionalGeneration: one buffer for the forward's whole life,
         # so that a captured graph reads the step's rows at a fixed address.

@@ -58,8 +58,6 @@ whose mirrored sources differ from 0.32.0's.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
@@ -82,6 +80,7 @@ from ray_ple.protocol.geometry import SlotGeometry
 from ray_ple.worker import ops
 from ray_ple.worker.vllm_plugin.attach import attach_worker
 from ray_ple.worker.vllm_plugin.embedding import offload_embedding, without_table
+from ray_ple.worker.vllm_plugin.mirror import check_mirrored
 
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor), as vLLM loads them
 PLE_WEIGHT = "embed_tokens_per_layer."  # in the name of the checkpoint's table
@@ -108,21 +107,6 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("settle", _settle, _key)
 torch.library.register_fake("ray_ple::settle", _settle, lib=_LIB)
 ops.set_piecewise_probe(in_piecewise_cudagraph)
-
-
-def _fingerprint(fn: Callable[..., object]) -> str:
-    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-
-
-def check_mirrored_sources() -> None:
-    """Fail at construction if vLLM's Gemma 4 forward is not the one mirrored here."""
-    for name, fn in (("Gemma4DecoderLayer.forward", Gemma4DecoderLayer.forward),
-                     ("Gemma4Model.forward", Gemma4Model.forward),
-                     ("Gemma4SelfDecoderLayers.project_per_layer_inputs",
-                      Gemma4SelfDecoderLayers.project_per_layer_inputs)):
-        if _fingerprint(fn) != _MIRRORED[name]:
-            raise PleModelError(f"vLLM's {name} differs from the one ray-ple mirrors (vLLM "
-                                "0.32.0): ray-ple serves Gemma 4 with vLLM 0.32.0 only")
 
 
 def _layer_forward(layer: Gemma4DecoderLayer, positions: torch.Tensor,
@@ -176,6 +160,9 @@ class PleOffloadGemma4Model(Gemma4Model):
     # plain values, traced as constants; a name None is the resident part, looked up here
     ple_slot_names: tuple[str | None, ...] = ()
     ple_slot_elems: tuple[int, ...] = ()
+    # vLLM's media class scales the rows before its language model runs (eager, a stored bf16
+    # buffer); its text class scales them inside the compiled forward. Set by the media class.
+    ple_scaled_rows_stored: bool = False
 
     def set_parts(self, slots: tuple[SlotGeometry, ...], resident_layers: int = 0) -> None:
         """The table's slots, in order, covering every layer from `resident_layers` on once
@@ -285,8 +272,11 @@ class PleOffloadGemma4Model(Gemma4Model):
         normed = dec.per_layer_projection_norm(projection[:, layers.start:layers.stop])
         ple = rows.unflatten(1, (len(layers), self.hidden_size_per_layer_input))
         ple = ple * dec.embed_scale_per_layer
+        eager = ops.eager_on_cpu(ple)  # eager, every result is a stored buffer already
+        if self.ple_scaled_rows_stored and not eager:
+            torch.ops.ray_ple.settle(ple)
         combined = (normed + ple) * dec.per_layer_input_scale
-        if not ops.eager_on_cpu(combined):  # eager, every result is a stored buffer already
+        if not eager:
             torch.ops.ray_ple.settle(combined)
         return combined
 
@@ -349,7 +339,7 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
     Gemma 4 (registered as `ARCHITECTURES[...].offload_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        check_mirrored_sources()
+        check_mirrored(_MIRRORED, Gemma4DecoderLayer, Gemma4Model, Gemma4SelfDecoderLayers)
         if vllm_config.cache_config.kv_sharing_fast_prefill:
             raise PleConfigError(
                 "kv_sharing_fast_prefill is not supported with ray-ple's offloaded PLE: YOCO's "

@@ -16,10 +16,6 @@ of two (sqrt(24)), where rounding the scaled rows to bf16 first could show
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,45 +25,11 @@ from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
 
 from ray_ple.errors import PleModelError
 from ray_ple.worker.vllm_plugin.gemma4 import PleOffloadGemma4Model
-
-TEXT_ARCH = "RayPleGemma4ForCausalLM"
+from ray_ple.worker.vllm_plugin.mirror import check_mirrored, language_model_as
 
 # sha256 (first 16 hex digits) of the vLLM 0.32.0 sources this class mirrors
 _MIRRORED = {"Gemma4ForConditionalGeneration.embed_input_ids": "29801fc919052b60",
              "Gemma4ForConditionalGeneration.forward": "93464c877f0485fd"}
-
-
-def _fingerprint(fn: Any) -> str:
-    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-
-
-def check_mirrored_sources() -> None:
-    """Fail at construction if vLLM's media class is not the one mirrored here."""
-    for name, fn in (("Gemma4ForConditionalGeneration.embed_input_ids",
-                      Gemma4ForConditionalGeneration.embed_input_ids),
-                     ("Gemma4ForConditionalGeneration.forward",
-                      Gemma4ForConditionalGeneration.forward)):
-        if _fingerprint(fn) != _MIRRORED[name]:
-            raise PleModelError(f"vLLM's {name} differs from the one ray-ple mirrors (vLLM "
-                                "0.32.0): ray-ple serves Gemma 4's media with vLLM 0.32.0 only")
-
-
-@contextmanager
-def _offload_language_model() -> Iterator[None]:
-    """Let vLLM's media class build the offload text class as its `language_model`."""
-    saved = vllm_gemma4_mm.init_vllm_registered_model
-
-    def build(*args: Any, architectures: list[str] | None = None, **kwargs: Any) -> Any:
-        if architectures != ["Gemma4ForCausalLM"]:
-            raise PleModelError(f"vLLM's Gemma 4 media class asked for {architectures} as "
-                                f"its language model, not Gemma4ForCausalLM")
-        return saved(*args, architectures=[TEXT_ARCH], **kwargs)
-
-    vllm_gemma4_mm.init_vllm_registered_model = build
-    try:
-        yield
-    finally:
-        vllm_gemma4_mm.init_vllm_registered_model = saved
 
 
 class RayPleGemma4ForConditionalGeneration(Gemma4ForConditionalGeneration):
@@ -75,13 +37,14 @@ class RayPleGemma4ForConditionalGeneration(Gemma4ForConditionalGeneration):
     `ARCHITECTURES["Gemma4ForConditionalGeneration"].media_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        check_mirrored_sources()
-        with _offload_language_model():
+        check_mirrored(_MIRRORED, Gemma4ForConditionalGeneration)
+        with language_model_as(vllm_gemma4_mm, "Gemma4ForCausalLM", "RayPleGemma4ForCausalLM"):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.language_model.model
         if not isinstance(model, PleOffloadGemma4Model):
             raise PleModelError(f"expected PleOffloadGemma4Model, vLLM built "
                                 f"{type(model).__name__}")
+        model.ple_scaled_rows_stored = True  # as vLLM's buffer holds them
         device = next(model.embed_tokens.parameters()).device
         self.per_layer_embeddings = None  # the rows come from the pair
         self.register_buffer("ple_ids", torch.zeros(
