@@ -13,7 +13,9 @@ restored at once), so the worker never allocates it; its checkpoint weights are 
 
 A `Gemma3nForConditionalGeneration` checkpoint is served as text through this class: its
 text config is the model's, `model.language_model.*` is read as `model.*`, and the towers'
-weights are skipped (the architecture is overridden, so vLLM sees no multimodal model).
+weights are skipped (the architecture is overridden, so vLLM sees no multimodal model). With
+images or audio, vLLM's media class builds this class as its language model
+(gemma3n_media.py).
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ PLE rows up, with media positions mapped to id 0, scaled and stored in a bf16 bu
 `max_num_batched_tokens x layers x d` that it hands to the language model. Here that lookup is
 the pair's: the runner posts the step's ids with media positions mapped to 0 (runner.py), and
 the language model pulls each part's rows at its first layer's gate. This class keeps the
-mapped ids on the device (`ple_ids`, the resident layers' lookup) and drops vLLM's buffer. The
-towers, their processor and everything else are vLLM's. Tokens equal vLLM's with its buffer
-(media steps eager, as vLLM runs them, the rest compiled) at a per-layer scale that is no power
-of two (sqrt(24)), where rounding the scaled rows to bf16 first could show
+mapped ids on the device (`ple_ids`, the resident layers' lookup) and drops vLLM's buffer, and
+has the language model store the scaled rows in bf16 before its combine, as that buffer holds
+them (`ple_scaled_rows_stored`: compiled, the product could otherwise stay fp32). The towers,
+their processor and everything else are vLLM's. Tokens equal vLLM's with its buffer (media
+steps eager, as vLLM runs them, the rest compiled) at a per-layer scale that is no power of
+two (sqrt(24)), where rounding the scaled rows to bf16 or not shows
 (tests/test_media_offload.py).
 """
 
