@@ -463,7 +463,8 @@ def main() -> None:
     (a.out / "meta.json").write_text(json.dumps(meta, indent=1))
     serve_bin = Path(sys.executable).with_name("serve")
     env = dict(os.environ)
-    if a.media:
+    if a.media:  # where the installer put torchvision's Python half and timm (tests/media.py)
+        sys.path.insert(0, str(REPO))
         from tests.media import media_env
 
         env.update(media_env())  # the cluster's processes inherit it from `serve run`
