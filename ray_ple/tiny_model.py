@@ -4,7 +4,8 @@ No model can be downloaded here, so ray-ple builds one: a deterministic seed, an
 word-level tokenizer with a chat template, saved as safetensors under the ray-ple cache and
 reused afterwards. Two shapes: `tiny` (tests, the default app) and `small` (benchmarks).
 A tiny text Gemma 3n (AltUp, Laurel, KV-shared layers) sits beside it for the 3n tests, and
-a tiny Gemma 4 with small vision and audio towers (`tiny-gemma4-towers`) for media requests.
+a tiny Gemma 4 and Gemma 3n with small vision and audio towers (`tiny-gemma4-towers`,
+`tiny-gemma3n-towers`: the 3n vision tower is timm's) for media requests.
 """
 
 from __future__ import annotations
