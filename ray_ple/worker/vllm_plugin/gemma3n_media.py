@@ -5,9 +5,10 @@ vLLM 0.32's `Gemma3nForConditionalGeneration` looks the PLE rows up in `embed_in
 which the runner calls before the forward, outside the step's transaction: the step's ids as
 they are, ids outside `[0, vocab_size_per_layer_input)` (the media tokens) mapped to row 0,
 into a persistent buffer its forward hands to the language model. Here `embed_input_ids` keeps
-the ids and embeds as vLLM does, and the forward (inside the transaction: the runner posts the
-step's ids, media positions mapped to 0) makes the same lookup through the pair, into the same
-buffer, before vLLM's forward. The towers, their processor and everything else are vLLM's.
+the ids (`ple_ids`, which the runner posts: the offload side reads an id outside the table as
+row 0, as vLLM's lookup does) and embeds as vLLM does, and the forward (inside the
+transaction) makes the same lookup through the pair, into the same buffer, before vLLM's
+forward. The towers, their processor and everything else are vLLM's.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class RayPleGemma3nForConditionalGeneration(Gemma3nForConditionalGeneration):
         # one buffer of per-layer inputs: the text class's, at a fixed address for graphs
         self.per_layer_embeddings = self.language_model.per_layer_embeddings
         self.register_buffer("ple_ids", torch.zeros(
-            vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int64,
+            vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int32,
             device=self.per_layer_embeddings.device), persistent=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Any = None, *,

@@ -5,11 +5,11 @@ vLLM 0.32's `Gemma4ForConditionalGeneration` embeds every step outside its langu
 (`embed_input_ids`: text rows, the towers' outputs at media positions) and there also looks the
 PLE rows up, with media positions mapped to id 0, scaled and stored in a bf16 buffer of
 `max_num_batched_tokens x layers x d` that it hands to the language model. Here that lookup is
-the pair's: the runner posts the step's ids with media positions mapped to 0 (runner.py), and
-the language model pulls each part's rows at its first layer's gate. This class keeps the
-mapped ids on the device (`ple_ids`, the resident layers' lookup) and drops vLLM's buffer, and
-has the language model store the scaled rows in bf16 before its combine, as that buffer holds
-them (`ple_scaled_rows_stored`: compiled, the product could otherwise stay fp32). The towers,
+the pair's: this class keeps the mapped ids on the device (`ple_ids`, which the runner posts
+and the resident layers look up), the language model pulls each part's rows at its first
+layer's gate, and vLLM's buffer is dropped. The language model stores the scaled rows in
+bf16 before its combine, as that buffer holds them (`ple_scaled_rows_stored`: compiled, the
+product could otherwise stay fp32). The towers,
 their processor and everything else are vLLM's. Tokens equal vLLM's with its buffer (media
 steps eager, as vLLM runs them, the rest compiled) at a per-layer scale that is no power of
 two (sqrt(24)), where rounding the scaled rows to bf16 or not shows

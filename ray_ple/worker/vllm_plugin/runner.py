@@ -6,16 +6,16 @@ after it; `_dummy_run` (profile, warm-up, capture)
 is bracketed as a local forward that never reaches the offload actor.
 
 A multimodal model's forward gets embeddings, not ids (vLLM embeds every step of it
-outside the model): its step is posted from the host's ids with the positions vLLM marked
-as media (`_gather_mm_embeddings`, run just before) mapped to id 0, as vLLM maps them
-before its per-layer lookup.
+outside the model, `embed_input_ids`): its step posts the ids the media class kept there
+(`ple_ids`, media positions as vLLM's per-layer lookup reads them), read by the host on CPU
+and by the stream post on CUDA, which needs no host copy of them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import numpy as np
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -27,44 +27,33 @@ class PleRunnerMixin:
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,  # noqa: ANN001
                        inputs_embeds=None, **model_kwargs: Any) -> Any:
         pair = worker_pair.current()
+        forward = functools.partial(super()._model_forward, input_ids, positions,
+                                    intermediate_tensors, inputs_embeds, **model_kwargs)
         if pair is None:
-            return super()._model_forward(input_ids, positions, intermediate_tensors,
-                                          inputs_embeds, **model_kwargs)
-        if input_ids is None:  # a multimodal model's step
-            with pair.step(self._ple_media_ids(pair, inputs_embeds)):
-                return super()._model_forward(input_ids, positions, intermediate_tensors,
-                                              inputs_embeds, **model_kwargs)
+            return forward()
+        ids = input_ids if input_ids is not None else self._ple_media_ids(inputs_embeds)
         if pair.stream_posts:  # the stream posts the ids it is about to embed (async-safe)
-            with pair.stream_step(input_ids):
-                return super()._model_forward(input_ids, positions, intermediate_tensors,
-                                              inputs_embeds, **model_kwargs)
-        if input_ids.device.type == "cpu":
-            host = input_ids.numpy()
+            with pair.stream_step(ids):
+                return forward()
+        if ids.device.type == "cpu":
+            host = ids.numpy()
+        elif input_ids is None:
+            raise PleConfigError("a media step on the GPU is posted by the stream "
+                                 "(ple.post 'auto' or 'stream')")
         else:  # the host copy the runner prepared this batch from (async scheduling is off)
-            host = self.input_ids.cpu[: input_ids.shape[0]].numpy()
+            host = self.input_ids.cpu[: ids.shape[0]].numpy()
         with pair.step(host):
-            return super()._model_forward(input_ids, positions, intermediate_tensors,
-                                          inputs_embeds, **model_kwargs)
+            return forward()
 
-    def _gather_mm_embeddings(self, *args: Any, **kwargs: Any) -> Any:
-        mm_embeds, is_mm_embed = super()._gather_mm_embeddings(*args, **kwargs)
-        self._ple_media = is_mm_embed  # a CPU bool per scheduled token
-        return mm_embeds, is_mm_embed
-
-    def _ple_media_ids(self, pair: Any, inputs_embeds: Any) -> np.ndarray:
-        """The host's ids of this step, media positions mapped to 0; each step's media mask
-        is used once."""
-        media, self._ple_media = getattr(self, "_ple_media", None), None
-        if inputs_embeds is None or media is None or pair.stream_posts:
+    def _ple_media_ids(self, inputs_embeds: Any) -> Any:
+        """The ids the media class kept from vLLM's embedding of this step (`ple_ids`:
+        vLLM's own ids for its per-layer lookup, written in stream order before the forward),
+        as many as the forward's tokens."""
+        kept = getattr(self.get_model(), "ple_ids", None)
+        if inputs_embeds is None or kept is None:
             raise PleConfigError("PLE offload needs token ids: prompt embeddings are "
-                                 "unsupported, and media steps are posted by the host")
-        n = int(inputs_embeds.shape[0])
-        if media.shape[0] > n:
-            raise PleConfigError(f"the step's media mask covers {media.shape[0]} tokens, "
-                                 f"its forward {n}")
-        ids = self.input_ids.cpu[:n].numpy().copy()
-        ids[: media.shape[0]][media.numpy()] = 0
-        return ids
+                                 "unsupported")
+        return kept[: inputs_embeds.shape[0]]
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         pair = worker_pair.current()
