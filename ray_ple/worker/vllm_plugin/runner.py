@@ -13,7 +13,6 @@ and by the stream post on CUDA, which needs no host copy of them.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -27,23 +26,25 @@ class PleRunnerMixin:
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,  # noqa: ANN001
                        inputs_embeds=None, **model_kwargs: Any) -> Any:
         pair = worker_pair.current()
-        forward = functools.partial(super()._model_forward, input_ids, positions,
-                                    intermediate_tensors, inputs_embeds, **model_kwargs)
         if pair is None:
-            return forward()
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        with self._ple_step(pair, input_ids, inputs_embeds):
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+
+    def _ple_step(self, pair: Any, input_ids: Any, inputs_embeds: Any) -> Any:
+        """This forward's transaction, posted from the ids its embedding reads."""
         ids = input_ids if input_ids is not None else self._ple_media_ids(inputs_embeds)
         if pair.stream_posts:  # the stream posts the ids it is about to embed (async-safe)
-            with pair.stream_step(ids):
-                return forward()
+            return pair.stream_step(ids)
         if ids.device.type == "cpu":
-            host = ids.numpy()
-        elif input_ids is None:
+            return pair.step(ids.numpy())
+        if input_ids is None:
             raise PleConfigError("a media step on the GPU is posted by the stream "
                                  "(ple.post 'auto' or 'stream')")
-        else:  # the host copy the runner prepared this batch from (async scheduling is off)
-            host = self.input_ids.cpu[: ids.shape[0]].numpy()
-        with pair.step(host):
-            return forward()
+        # the host copy the runner prepared this batch from (async scheduling is off)
+        return pair.step(self.input_ids.cpu[: ids.shape[0]].numpy())
 
     def _ple_media_ids(self, inputs_embeds: Any) -> Any:
         """The ids the media class kept from vLLM's embedding of this step (`ple_ids`:
