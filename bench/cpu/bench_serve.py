@@ -198,12 +198,14 @@ def client_args(side: str, model: str, tokenizer: str, a: argparse.Namespace,
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    if a.media == "image":  # one random image a request, through the chat API
+    if a.media:  # one random image or video a request, through the chat API
+        frames = 1 if a.media == "image" else a.video_frames
+        limits = {"image": int(a.media == "image"), "video": int(a.media == "video")}
         data = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                 "--dataset-name", "random-mm", "--random-mm-base-items-per-request", "1",
                 "--random-mm-num-mm-items-range-ratio", "0",
-                "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-                "--random-mm-bucket-config", f"{{({a.image_px}, {a.image_px}, 1): 1.0}}"]
+                "--random-mm-limit-mm-per-prompt", json.dumps(limits),
+                "--random-mm-bucket-config", f"{{({a.image_px}, {a.image_px}, {frames}): 1.0}}"]
     else:
         data = ["--backend", "openai", "--endpoint", "/v1/completions",
                 "--dataset-name", "random"]
@@ -400,10 +402,12 @@ def main() -> None:
                     help="0: greedy, and each round counts the requests whose texts differ "
                     "between the sides (`texts_differ`); vLLM's client sends none unless "
                     "given, and the server then samples at 1")
-    ap.add_argument("--media", choices=("image",), help="each request carries one random "
-                    "image, sent through the chat API (the config must serve images; "
-                    "torchvision's Python half from scripts/install.sh comes on PYTHONPATH)")
-    ap.add_argument("--image-px", type=int, default=64, help="the images' height and width")
+    ap.add_argument("--media", choices=("image", "video"), help="each request carries one "
+                    "random image or video, sent through the chat API (the config must serve "
+                    "it; torchvision's Python half from scripts/install.sh comes on PYTHONPATH)")
+    ap.add_argument("--image-px", type=int, default=64, help="the images' (frames') height "
+                    "and width")
+    ap.add_argument("--video-frames", type=int, default=2, help="each video's frames")
     ap.add_argument("--spec-wait-s", type=float, default=12.0,
                     help="with a speculative config: wait before reading vLLM's spec-decode "
                     "counters at the end (Ray exports each process's metrics every 10 s)")
