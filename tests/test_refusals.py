@@ -3,10 +3,9 @@
 Speculative decoding other than n-gram and Gemma 4's MTP drafter, media for a model served as
 text (those an architecture's media class cannot serve: tests/test_media_offload.py), and
 prompt embeddings are refused when the app is built (before any replica, actor or segment
-exists). A request that carries an image or audio reaches a model
-served as text:
-`serve run` answers it with a 400 and the replica keeps serving (tested in
-tests/test_serve.py, in the same `serve run`).
+exists). A request that carries an image or audio reaches a model served as text: `serve run`
+answers it with a 400 and the replica keeps serving (tested in tests/test_serve.py, in the
+same `serve run`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Gemma 4 with images and audio, its PLE table offloaded: vLLM's multimodal class around the
+"""Gemma 4 with images, video and audio, its PLE table offloaded: vLLM's multimodal class around the
 offload text model (`RayPleGemma4ForCausalLM`, gemma4.py).
 
 vLLM 0.32's `Gemma4ForConditionalGeneration` embeds every step outside its language model
@@ -9,11 +9,10 @@ the pair's: this class keeps the mapped ids on the device (`ple_ids`, which the 
 and the resident layers look up), the language model pulls each part's rows at its first
 layer's gate, and vLLM's buffer is dropped. The language model stores the scaled rows in
 bf16 before its combine, as that buffer holds them (`ple_scaled_rows_stored`: compiled, the
-product could otherwise stay fp32). The towers,
-their processor and everything else are vLLM's. Tokens equal vLLM's with its buffer (media
-steps eager, as vLLM runs them, the rest compiled) at a per-layer scale that is no power of
-two (sqrt(24)), where rounding the scaled rows to bf16 or not shows
-(tests/test_media_offload.py).
+product could otherwise stay fp32). The towers, their processor and everything else are
+vLLM's. Tokens equal vLLM's with its buffer (media steps eager, as vLLM runs them, the rest
+compiled) at a per-layer scale that is no power of two (sqrt(24)), where rounding the scaled
+rows to bf16 or not shows (tests/test_media_offload.py).
 """
 
 from __future__ import annotations
