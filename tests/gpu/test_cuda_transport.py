@@ -241,7 +241,7 @@ def test_stream_post_of_media_steps_posts_the_ids_kept_in_stream_order(gpu, t: i
     for _ in range(300):
         embed()
         with pair.stream_step(kept[:t]):
-            bad, nxt, _ = model(kept[:t])
+            bad, nxt, _ = model(kept[:t].long())
         err.add_(bad)
         ids.copy_(nxt)
     graph, cur = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
@@ -249,10 +249,10 @@ def test_stream_post_of_media_steps_posts_the_ids_kept_in_stream_order(gpu, t: i
         side = torch.cuda.Stream(dev)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            model(kept[:t])  # warm-up: an eager local forward (zero rows, no counter)
+            model(kept[:t].long())  # warm-up: an eager local forward (zero rows, no counter)
         cur.wait_stream(side)
         with torch.cuda.graph(graph):
-            bad, nxt, _ = model(kept[:t])
+            bad, nxt, _ = model(kept[:t].long())
             err.add_(bad)
             ids.copy_(nxt)
     for _ in range(700):
