@@ -21,22 +21,26 @@ from typing import Any
 
 from ray_ple.config import PleConfig, parse_ple
 from ray_ple.engine_plan import plan_offload
+from ray_ple.errors import PleConfigError
 from ray_ple.protocol.handles import PAIRS_ENV, EngineHandles
 from ray_ple.supervision.offload_group import OffloadGroup
 from ray_ple.tiny_model import resolve
 
 
 @contextmanager
-def offloaded_llm(model: str, ple: PleConfig | None = None, *, transport: str = "cpu",
-                  **engine_kwargs: Any) -> Iterator[Any]:
+def offloaded_llm(model: str, ple: PleConfig | None = None, **engine_kwargs: Any
+                  ) -> Iterator[Any]:
     """Yield a `vllm.LLM` whose PLE table is served by offload actors on this node.
 
     `ple` may be a `PleConfig` or its dict (the `ple:` block); a bad one is a `PleConfigError`.
+    `ple.transport: auto` takes the transport of the vLLM build here (cuda on a CUDA build
+    with a GPU, else cpu), as the Serve builder takes it from the accelerator.
     """
     import ray
     from vllm import LLM
 
     ple = parse_ple(ple)
+    transport = _transport(ple)
     checkpoint = resolve(model)
     if not ple.enabled:
         llm = LLM(model=checkpoint, **engine_kwargs)
@@ -66,6 +70,17 @@ def offloaded_llm(model: str, ple: PleConfig | None = None, *, transport: str = 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _transport(ple: PleConfig) -> str:
+    from vllm.platforms import current_platform
+
+    here = "cuda" if current_platform.is_cuda() else "cpu"
+    if ple.transport not in ("auto", here):
+        raise PleConfigError(f"ple.transport {ple.transport!r} does not fit this vLLM build "
+                             f"({current_platform.device_type or 'no device'}): use {here!r} "
+                             f"or 'auto'")
+    return here
 
 
 def _shutdown(llm: Any) -> None:

@@ -3,15 +3,48 @@
 # module, and the benchmarks (each run as a module from the repository root). Everything goes to $OUT (default: bench/cuda/results/latest).
 #
 #   OUT=/some/dir bash scripts/gpu_device_run.sh [all|env|memlock|tests|bench|bench-nt|two-ranks|model|gather]
+#   OUT=/some/dir bash scripts/gpu_device_run.sh bundle|vllm|bench-vllm|serve
 #
 # The machine needs python3 with torch (CUDA), cuda-python and numpy; pydantic and its pure
 # dependencies may be given as wheels in .whl/ (installed into a private --target, no index).
+# vLLM (CUDA), Ray and what they import come as the parts `scripts/gpu_bundle.py build` makes
+# (.devcarry/bundle/): stage `bundle` checks the parts each call carried and unpacks them once
+# all are there (into $RAY_PLE_GPU_SITE, kept while the machine is warm); the stages after it
+# (`vllm`: tests/gpu/test_vllm_gpu.py, `bench-vllm`: bench/cuda/bench_vllm.py, `serve`:
+# `serve run` of a GPU config) run with it on the path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/cuda/results/latest}
 mkdir -p "$OUT"
 WHAT=${1:-all}
 export PYTHONUNBUFFERED=1
+SITE=${RAY_PLE_GPU_SITE:-/tmp/ray-ple-gpu}
+if [[ $WHAT == bundle ]]; then
+  echo "=== bundle ($(date -u +%FT%TZ))"
+  python3 scripts/gpu_bundle.py assemble --parts .devcarry/bundle --dest "$SITE"
+  rc=$?
+  if [[ $rc == 3 ]]; then exit 0; fi  # more parts come with the next call
+  if [[ $rc != 0 ]]; then exit $rc; fi
+  # engines start several at once: compile the bytecode once, not in each
+  python3 -m compileall -q -j 0 "$SITE/site" >/dev/null 2>&1
+fi
+if [[ -d $SITE/site ]]; then
+  export PYTHONPATH=$SITE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # vLLM's sampler imports FlashInfer unless told not to; it is not carried
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+fi
+if [[ $WHAT == bundle ]]; then
+  python3 - <<'PY' 2>&1 | tee "$OUT/bundle.txt"
+import importlib.metadata as md, sys, torch, vllm, ray, ray.serve.llm, pydantic, ray_ple
+from vllm.platforms import current_platform
+plugins = [e.name for e in md.entry_points(group="vllm.general_plugins")]
+print("python", sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__,
+      "ray", ray.__version__, "pydantic", pydantic.__version__, "platform",
+      type(current_platform).__name__, torch.cuda.get_device_name(0), "plugins", plugins)
+assert current_platform.is_cuda() and "ray_ple" in plugins
+PY
+  exit "${PIPESTATUS[0]}"
+fi
 if ! python3 -c 'import pydantic' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/ray-ple-site .whl/*.whl || exit 1
@@ -100,5 +133,17 @@ if [[ $WHAT == all || $WHAT == gather ]]; then
   timeout "${GATHER_TIMEOUT:-240}" python3 -m bench.cpu.bench_gather --out "$OUT" \
     ${GATHER_ARGS:---rows 262144 --tokens 1 64 256 1024 8192 --threads 1 8 --reps 40 --tables memfd anon_huge} \
     2>&1 | tee "$OUT/gather.txt"
+fi
+if [[ $WHAT == vllm ]]; then
+  # issue 38: vLLM's own GPU runner, offload vs plain (tests/gpu/test_vllm_gpu.py)
+  stage "vLLM on the GPU, offload vs plain"
+  timeout "${VLLM_TIMEOUT:-560}" python3 -m pytest tests/gpu/test_vllm_gpu.py -v -rs \
+    -p no:cacheprovider --durations=0 ${VLLM_ARGS:-} 2>&1 | tee "$OUT/vllm_pytest.txt"
+fi
+if [[ $WHAT == bench-vllm ]]; then
+  # issue 38: KV cache, concurrency, tokens/s on a released geometry (bench/cuda/bench_vllm.py)
+  stage "vLLM on a released geometry, offload vs plain"
+  timeout "${BENCH_VLLM_TIMEOUT:-560}" python3 -m bench.cuda.bench_vllm --out "$OUT" \
+    ${BENCH_VLLM_ARGS:-} 2>&1 | tee "$OUT/bench_vllm.txt"
 fi
 stage done

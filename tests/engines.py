@@ -25,13 +25,25 @@ def local_cluster() -> Iterator[str]:
 def run_job(address: str, job: dict, module: str = "tests.engine_job",
             env: dict | None = None) -> dict:
     """One engine run in its own process; its `RESULT` line as a dict."""
-    proc = subprocess.run(
-        [sys.executable, "-m", module, json.dumps(job)],
-        env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-        capture_output=True, text=True, timeout=900, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    (result,) = run_jobs(address, [job], module, env)
+    return result
+
+
+def run_jobs(address: str, jobs: list[dict], module: str = "tests.engine_job",
+             env: dict | None = None, timeout_s: float = 900) -> list[dict]:
+    """Engine runs at once, each in its own process (several engines share a GPU); their
+    `RESULT` lines as dicts, in the order of `jobs`."""
+    procs = [subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
+                              env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO) for job in jobs]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
 
 
 def flat(tokens: list[list[list[int]]]) -> list[list[int]]:

@@ -66,7 +66,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from tests.engine_job import ENGINE
 
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
-    engine = {**ENGINE, "disable_log_stats": False, "speculative_config": job["spec"]}
+    engine = {**ENGINE, "disable_log_stats": False, "speculative_config": job["spec"],
+              **job.get("engine", {})}
     out: dict[str, Any] = {}
     with offloaded_llm(job["model"], PleConfig.model_validate(job.get("ple", {})),
                        **engine) as llm:

@@ -1,0 +1,160 @@
+"""vLLM's own GPU runner with the PLE table offloaded: the same token ids as plain vLLM on the
+same GPU, with vLLM's defaults (torch.compile, CUDA graphs, async scheduling) and eager.
+
+Every engine is `vllm.LLM` through `ray_ple.offline.offloaded_llm` in its own process
+(tests/engine_job.py and the media and speculation jobs), with the project's CUDA defaults
+(`ple.transport: auto` -> cuda, `post: auto` -> the stream post under async scheduling, the
+late pull in parts, layer 0 resident), against one Ray cluster; the engines of a case run at
+once, each with a fixed KV cache (`kv_cache_memory_bytes`), so that they share the GPU
+without disturbing each other's memory profile. Compare offload with plain in the same mode
+only: random bf16 weights make near-ties, and eager and compiled may round them apart.
+
+Runs where vLLM's CUDA build and a GPU are present (`scripts/gpu_device_run.sh vllm`, its
+summary kept under `bench/cuda/results/`); elsewhere every test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from tests.engines import local_cluster, run_jobs
+
+
+def _vllm_cuda() -> bool:
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
+    not _vllm_cuda(), reason="needs a CUDA GPU and vLLM's CUDA build; "
+    "scripts/gpu_device_run.sh vllm runs this module on the GPU machine")]
+
+# a fixed KV cache per engine: several engines profile at once on one GPU
+GPU = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 256 << 20}
+MODES = {"compiled": {"enforce_eager": False}, "eager": {"enforce_eager": True}}
+MODELS = {"gemma4": "ray-ple://tiny-gemma4", "gemma3n": "ray-ple://tiny-gemma3n"}
+# eight prompts (ids >= 192 are outside Gemma 3n's per-layer vocabulary: row 0, as vLLM);
+# each of the first six alone (batch 1), then all eight together (batch 8)
+PROMPTS = [[5, 6, 7, 8], [100, 101], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38], [250],
+           [2, 17, 200, 201, 202, 255, 4], [60] * 20, [191, 192, 193], [44, 45, 46]]
+BATCHES = [[p] for p in PROMPTS[:6]] + [PROMPTS]
+MAX_TOKENS = 24
+
+
+def _job(model: str, mode: str, enabled: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": MODELS[model], "batches": BATCHES, "max_tokens": MAX_TOKENS,
+            "engine": {**GPU, **MODES[mode]}, "ple": {"enabled": enabled}, **extra}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from local_cluster()
+
+
+@pytest.fixture(scope="module")
+def text_runs(cluster: str) -> dict[tuple[str, str, str], dict]:
+    """Both tiny models, offload and plain, compiled and eager: eight engines at once."""
+    keys = [(m, mode, v) for m in MODELS for mode in MODES for v in ("offload", "plain")]
+    jobs = [_job(m, mode, v == "offload") for m, mode, v in keys]
+    return dict(zip(keys, run_jobs(cluster, jobs, timeout_s=540)))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(text_runs, model, mode):
+    offload, plain = text_runs[model, mode, "offload"], text_runs[model, mode, "plain"]
+    assert offload["tokens"] == plain["tokens"]
+    assert all(len(t) == MAX_TOKENS for batch in offload["tokens"] for t in batch)
+    (status,) = offload["status"]
+    forwards = status["posted"]
+    assert forwards == status["released"] >= len(BATCHES) * MAX_TOKENS, status
+    assert all(p == forwards for p in status["published"])
+    assert status["cuda_evidence"] == [] and status["torch_imported"] is False
+    (pair,), (none,) = offload["pair"], plain["pair"]
+    assert none is None
+    # the project's CUDA defaults as vLLM resolved them: its async scheduling kept, the stream
+    # posting each step; compiled with graphs, or eager
+    assert pair["transport"] == "CudaTransport" and pair["async_scheduling"], pair
+    assert pair["stream_posts"], pair
+    if mode == "compiled":
+        assert "NONE" not in pair["cudagraph_mode"], pair
+    else:
+        assert "NONE" in pair["cudagraph_mode"], pair
+
+
+def test_worker_holds_no_ple_table_on_the_gpu(text_runs):
+    for model in MODELS:
+        (inv_off,) = text_runs[model, "compiled", "offload"]["inventory"]
+        (inv_plain,) = text_runs[model, "compiled", "plain"]["inventory"]
+        assert [n for n, _ in inv_plain if "embed_tokens_per_layer" in n], "plain holds it"
+        assert not [n for n, _ in inv_off if "embed_tokens_per_layer" in n]
+
+
+@pytest.fixture(scope="module")
+def feature_runs(cluster: str) -> dict[str, dict]:
+    """An image and a video through Gemma 4 with towers, n-gram speculation, and a long
+    decode whose offload actor is killed: offload and plain of each, all at once."""
+    engine = {**GPU, **MODES["compiled"]}
+    media = {"model": "gemma4", "max_tokens": 16, "engine": engine}
+    spec = {"model": MODELS["gemma4"], "max_tokens": 48, "engine": engine,
+            "prompts": SPEC_PROMPTS, "spec": NGRAM}
+    kill = {**_job("gemma4", "compiled"), "batches": [PROMPTS], "kill_mid_decode": 40,
+            "long_tokens": 200}
+    jobs = {"media": (media, "tests.test_media_offload"),
+            "ngram": (spec, "tests.test_speculative"), "kill": (kill, "tests.engine_job")}
+    keys = [(name, v) for name in jobs for v in ("offload", "plain")]
+    results = {}
+    for module in {m for _, m in jobs.values()}:
+        mine = [k for k in keys if jobs[k[0]][1] == module]
+        batch = [{**jobs[name][0], "ple": {"enabled": v == "offload"}} for name, v in mine]
+        results.update(zip(mine, run_jobs(cluster, batch, module=module, timeout_s=540)))
+    return results
+
+
+# prompts whose greedy continuations repeat (tests/test_speculative.py), so drafts are kept
+SPEC_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [10, 11, 12, 13, 14, 10, 11, 12, 13, 14],
+                [60, 60, 60, 60, 60, 60], [100, 101], [210, 210, 210, 210]]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def test_image_and_video_through_gemma4_with_towers_equal_plain(feature_runs):
+    offload, plain = feature_runs["media", "offload"], feature_runs["media", "plain"]
+    assert offload["tokens"] == plain["tokens"]
+    assert offload["prompt_tokens"] == plain["prompt_tokens"]
+    images = offload["tokens"][:2]
+    assert images[0] != images[1], "two images, two continuations: the media reach the output"
+    (after,) = offload["after"]
+    assert after["posted"] == after["released"] > 0
+
+
+def test_ngram_speculation_equal_plain_with_drafts_accepted(feature_runs):
+    offload, plain = feature_runs["ngram", "offload"], feature_runs["ngram", "plain"]
+    assert offload["tokens"] == plain["tokens"]
+    assert offload["spec"]["accepted"] > 0, offload["spec"]
+    assert offload["spec"] == plain["spec"]
+    (after,) = offload["after"]
+    assert after["posted"] == after["released"] > 0
+
+
+def test_offload_killed_mid_decode_the_generate_fails_closed(feature_runs):
+    """The offload actor dies while a long decode runs (CUDA graphs replaying the pull): no
+    token computed from a missing row comes back, and the next generate raises."""
+    kill = feature_runs["kill", "offload"]["kill"]
+    reference = feature_runs["kill", "plain"]["long"]
+    during, after = kill["during"], kill["after"]
+    if "tokens" in during:  # finished before the kill took effect: then every token is right
+        assert during["tokens"] == reference
+    else:
+        assert during["error"] == "EngineDeadError", during
+    assert "tokens" not in after and after["error"] == "EngineDeadError", after
