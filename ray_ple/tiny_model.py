@@ -188,7 +188,7 @@ def _media_template(**placeholders: str) -> str:
             "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")
 
 
-def _tokenizer(vocab_size: int, out: Path, media: dict[int, str] | None = None,
+def word_tokenizer(vocab_size: int, out: Path, media: dict[int, str] | None = None,
                special: dict[str, str] | None = None, template: str | None = None) -> None:
     """A word-level tokenizer (`w<i>`); `media`: ids spelled otherwise, matched before the
     split on whitespace (newlines included); `special`: the names the processor reads
@@ -415,7 +415,7 @@ def build(spec: AnySpec) -> Path:
         if isinstance(spec, TinyGemma3nTowersSpec):
             _processor_files_3n(spec, tmp)
             ids = media_token_ids_3n(spec)
-            _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS_3N[n] for n in ids},
+            word_tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS_3N[n] for n in ids},
                        {n: MEDIA_TOKENS_3N[n] for n in ids if n.endswith("_token")},
                        _media_template(image=MEDIA_TOKENS_3N["image_token"],
                                        audio=MEDIA_TOKENS_3N["audio_token"]))
@@ -423,7 +423,7 @@ def build(spec: AnySpec) -> Path:
             _processor_files(spec, tmp)
             ids = media_token_ids(spec.vocab_size)
             # `tokenizer.image_token(_id)` etc., as Gemma4Processor reads them
-            _tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS[n] for n in ids},
+            word_tokenizer(spec.vocab_size, tmp, {ids[n]: MEDIA_TOKENS[n] for n in ids},
                        {n: MEDIA_TOKENS[n] for n in MEDIA_TOKENS if n != "video_token"},
                        _media_template(image=MEDIA_TOKENS["image_token"],
                                        audio=MEDIA_TOKENS["audio_token"],
@@ -431,7 +431,7 @@ def build(spec: AnySpec) -> Path:
         else:
             if spec.multimodal:
                 _as_multimodal(spec, tmp)
-            _tokenizer(spec.vocab_size, tmp)
+            word_tokenizer(spec.vocab_size, tmp)
         progress.update(2)
         if out.exists():
             import shutil
@@ -499,7 +499,7 @@ def build_mtp_drafter(target: TinySpec) -> Path:
                     p.zero_()
         tmp = out.with_name(out.name + ".tmp")
         model.to(torch.bfloat16).save_pretrained(tmp)
-        _tokenizer(target.vocab_size, tmp)
+        word_tokenizer(target.vocab_size, tmp)
         if out.exists():
             import shutil
 

@@ -4,7 +4,8 @@ No real checkpoint can be fetched where the benchmarks run, and what a GPU has l
 cache depends only on the shapes: this writes the released text config (`configs/`, each
 value's source in `configs/SOURCES.md`) with every tensor of the architecture's text model
 filled from a seeded generator (bf16, std 0.02; norms and scalars 1), sharded safetensors,
-and no tokenizer (engines take token ids; `skip_tokenizer_init`). The text model only: the
+and the word tokenizer of the tiny test models (`w<i>` for id i), so that a served model
+takes text prompts. The text model only: the
 vision and audio towers of the released checkpoints are left out (about 0.3 B parameters
 that weigh the same with and without the offload).
 
@@ -27,7 +28,7 @@ MODELS = {
     "gemma-3n-E4B": ("gemma-3n-E4B-text.json", "Gemma3nForCausalLM", "Gemma3nForCausalLM"),
 }
 SHARD_BYTES = 4 << 30
-FORMAT = 1  # bump when what is written changes: a directory of another format is rebuilt
+FORMAT = 2  # bump when what is written changes: a directory of another format is rebuilt
 
 
 def config(model: str) -> dict[str, Any]:
@@ -106,6 +107,9 @@ def build(model: str, out: Path, device: str = "cuda", seed: int = 0) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     (out / "config.json").write_text(json.dumps(config(model), indent=1))
+    from ray_ple.tiny_model import word_tokenizer
+
+    word_tokenizer(config(model)["vocab_size"], out)
     done.write_text(json.dumps({"model": model, "format": FORMAT, "seed": seed}))
     return out
 
