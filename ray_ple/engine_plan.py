@@ -12,6 +12,7 @@ from ray_ple.base import Frozen
 from ray_ple.config import PleConfig
 from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
+from ray_ple.offload.table_file import check_checkpoint
 from ray_ple.protocol.geometry import (
     ARCHITECTURES,
     PleGeometry,
@@ -204,6 +205,7 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
                                     engine_dtype=kw.get("dtype"), parts=ple.parts,
                                     resident_layers=ple.resident_layers,
                                     transport=transport)
+    check_checkpoint(checkpoint_dir)
     if speculation(kw.get("speculative_config")) == "mtp":
         check_drafter(kw["speculative_config"], geometry.architecture)
     post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)

@@ -37,10 +37,72 @@ class TensorLocation(BaseModel):
     end: int
 
 
-def _read_header(fd: int) -> tuple[dict, int]:
-    """The safetensors header of an open file, read through its fd (never the path again)."""
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return json.loads(os.pread(fd, n, 8)), 8 + n
+# safetensors' own limit on the header (its JSON), and its dtypes' sizes in bytes
+MAX_HEADER_BYTES = 100 << 20
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+
+def read_header(fd: int, path: str) -> tuple[dict, int]:
+    """The safetensors header of an open file, read through its fd (never the path again),
+    checked whole before any entry is used: one `PleModelError` naming the file for a
+    truncated or oversized length, a header that is not a JSON object, an entry without a
+    known dtype, a shape of counts and two offsets, offsets that disagree with shape x dtype,
+    overlap another tensor or run past the end of the file. Returns (header, data start)."""
+    size = os.fstat(fd).st_size
+
+    def bad(why: str) -> PleModelError:
+        return PleModelError(f"{path} is not a valid safetensors file: {why}")
+
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise bad(f"header length {n} exceeds the file ({size} bytes) or safetensors' "
+                  f"limit ({MAX_HEADER_BYTES} bytes)")
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad(f"its header is a JSON {type(header).__name__}, not an object")
+    data = size - 8 - n
+    spans = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            if not isinstance(e, dict):
+                raise bad("__metadata__ is not an object")
+            continue
+        if not (isinstance(e, dict) and e.get("dtype") in DTYPE_BYTES
+                and isinstance(e.get("shape"), list)
+                and all(type(d) is int and d >= 0 for d in e["shape"])
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+                and all(type(o) is int for o in e["data_offsets"])):
+            raise bad(f"entry {name!r} is not {{dtype, shape, data_offsets}} of a known "
+                      f"dtype, counts and two offsets: {str(e)[:200]}")
+        begin, end = e["data_offsets"]
+        want = DTYPE_BYTES[e["dtype"]] * _product(e["shape"])
+        if not 0 <= begin <= end or end - begin != want:
+            raise bad(f"entry {name!r} spans bytes [{begin}, {end}) but its shape "
+                      f"{e['shape']} of {e['dtype']} is {want} bytes")
+        if end > data:
+            raise bad(f"entry {name!r} ends at byte {end} of a {data}-byte data section "
+                      "(the file is truncated)")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise bad(f"entries {a!r} and {b!r} overlap")
+    return header, 8 + n
+
+
+def _product(dims: list[int]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
 
 
 # What says a file is the one that was opened: a replaced path shows another inode (our fd
@@ -64,16 +126,19 @@ class TableFile:
         files = sorted(ckpt.glob("*.safetensors"))
         index = ckpt / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = _weight_map(index)
             files = [ckpt / weight_map[n] for n in source.tensor_names
                      if n in weight_map] or files
         if not files:
             raise PleModelError(f"no .safetensors files in {ckpt}")
         for path in files:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise PleModelError(f"cannot open {path}: {exc.strerror}") from None
             try:
                 stat = os.fstat(fd)  # before the header: a rewrite after it shows in the end
-                header, data_start = _read_header(fd)
+                header, data_start = read_header(fd, str(path))
                 for name in source.tensor_names:
                     if name in header:
                         e = header[name]
@@ -111,6 +176,42 @@ class TableFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """`weight_map` of a sharded checkpoint's index (tensor -> file name in the folder)."""
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PleModelError(f"{index} is not a readable JSON index: {exc}") from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not all(
+            isinstance(v, str) and "/" not in v and v not in ("", ".", "..")
+            for v in wmap.values()):
+        raise PleModelError(f"{index}: weight_map must map tensor names to file names of "
+                            "this folder")
+    return wmap
+
+
+def check_checkpoint(checkpoint_dir: str) -> None:
+    """Every safetensors file of a checkpoint, its header checked as `read_header` checks it,
+    and its index's files present: one `PleModelError` before anything starts (the offload
+    side reads the table's header again, through the fd it reads the rows with)."""
+    ckpt = Path(checkpoint_dir)
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted({f for f in _weight_map(index).values() if not (ckpt / f).is_file()})
+        if missing:
+            raise PleModelError(f"{index} names files that are not in {ckpt}: {missing[:5]}")
+    for path in sorted(ckpt.glob("*.safetensors")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PleModelError(f"cannot open {path}: {exc.strerror}") from None
+        try:
+            read_header(fd, str(path))
+        finally:
+            os.close(fd)
 
 
 def locate_tensor(source: TableSource) -> TensorLocation:
