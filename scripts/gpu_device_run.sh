@@ -146,4 +146,13 @@ if [[ $WHAT == bench-vllm ]]; then
   timeout "${BENCH_VLLM_TIMEOUT:-560}" python3 -m bench.cuda.bench_vllm --out "$OUT" \
     ${BENCH_VLLM_ARGS:-} 2>&1 | tee "$OUT/bench_vllm.txt"
 fi
+if [[ $WHAT == serve ]]; then
+  # Ray Serve on the GPU: `serve run` of the E4B GPU config on E4B's geometry, its offload
+  # actor SIGKILLed, the replica replaced (tests/gpu/test_serve_gpu.py); `serve run`'s own
+  # output in $OUT/serve_run.log
+  stage "Ray Serve on the GPU, offload actor killed"
+  RAY_PLE_GPU_SERVE_LOG="$OUT/serve_run.log" timeout "${SERVE_TIMEOUT:-560}" \
+    python3 -m pytest tests/gpu/test_serve_gpu.py -v -rs -p no:cacheprovider --durations=0 \
+    2>&1 | tee "$OUT/serve_pytest.txt"
+fi
 stage done

@@ -31,15 +31,29 @@ def _ctrl_c_works() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# Ray's `serve` console script, run by the interpreter: where Ray is on PYTHONPATH without
+# its console scripts (the GPU machine's unpacked bundle), there is no `serve` binary.
+SERVE_CLI = ("import sys; from ray.serve.scripts import cli; sys.argv[0] = 'serve'; "
+             "sys.exit(cli())")
+
+
+def serve_command() -> list[str]:
+    """The `serve` command: the console script beside the interpreter, as a user types it;
+    only where there is none, the same CLI through the interpreter."""
+    serve_bin = Path(sys.executable).with_name("serve")
+    if serve_bin.exists():
+        return [str(serve_bin)]
+    return [sys.executable, "-c", SERVE_CLI]
+
+
 class ServeRun:
     """`serve run <config>` as a user types it, in its own process group and Ray cluster."""
 
     def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None) -> None:
-        serve_bin = Path(sys.executable).with_name("serve")
         self.log = log
         self._out = open(log, "w")
         self.proc = subprocess.Popen(
-            [str(serve_bin), "run", str(config)], cwd=REPO, stdout=self._out,
+            [*serve_command(), "run", str(config)], cwd=REPO, stdout=self._out,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ctrl_c_works,
             env={**os.environ, "RAY_ADDRESS": "local", **(env or {})})
 

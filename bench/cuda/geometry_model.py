@@ -15,6 +15,7 @@ that weigh the same with and without the offload).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import time
@@ -66,7 +67,15 @@ def _fill(name: str, shape: tuple[int, ...], gen: Any, device: str) -> Any:
 
 
 def build(model: str, out: Path, device: str = "cuda", seed: int = 0) -> Path:
-    """Write the checkpoint once (a complete directory of this format is kept)."""
+    """Write the checkpoint once (a complete directory of this format is kept; a build in
+    another process is waited for)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(model, out, device, seed)
+
+
+def _build(model: str, out: Path, device: str, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -74,7 +83,6 @@ def build(model: str, out: Path, device: str = "cuda", seed: int = 0) -> Path:
     if done.exists() and json.loads(done.read_text()) == {"model": model, "format": FORMAT,
                                                           "seed": seed}:
         return out
-    out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.safetensors"):
         old.unlink()
     shapes = tensor_shapes(model)
