@@ -133,3 +133,15 @@ def test_a_node_without_room_fails(tmp_path, capsys):
     rc = check(str(REPO / "serve_configs" / "ple.yaml"), shm_dir="/nonexistent-ray-ple-shm")
     out, _ = capsys.readouterr()
     assert rc == 1 and "FAIL shm: /nonexistent-ray-ple-shm" in out
+
+
+def test_check_sets_the_segments_against_each_models_shm_dir(tmp_path, capsys):
+    """`ple.shm_dir` is where the server puts a model's table and pair: `check` looks there
+    unless `--shm-dir` says otherwise."""
+    cfg = load_config()
+    cfg["applications"][0]["args"]["llm_configs"][0]["ple"]["shm_dir"] = "/nonexistent-ple-shm"
+    path = _write(tmp_path, cfg)
+    assert check(path) == 1
+    out, _ = capsys.readouterr()
+    assert "FAIL shm: /nonexistent-ple-shm" in out, out
+    assert check(path, shm_dir="/dev/shm") == 0, capsys.readouterr()

@@ -28,7 +28,9 @@ from ray_ple.tools.doctor import (
 )
 
 
-def main(path: str, *, read_checkpoint: bool = True, shm_dir: str = "/dev/shm") -> int:
+def main(path: str, *, read_checkpoint: bool = True, shm_dir: str | None = None) -> int:
+    """`shm_dir` overrides the models' `ple.shm_dir` (each directory is checked for the
+    segments of the models that use it)."""
     # what the libraries print while they load (vLLM's Triton notes) is held back: a bad
     # config's stderr is its one error line; a good one's is replayed
     held = io.StringIO()
@@ -48,8 +50,11 @@ def main(path: str, *, read_checkpoint: bool = True, shm_dir: str = "/dev/shm") 
     if not needs:
         print(f"ok {path}: valid for build_app; no model is offloaded", flush=True)
         return 0
-    args = node_args(needs, DoctorArgs(shm_dir=shm_dir))
-    checks = [check_shm(args), check_host_memory(args)]
+    by_dir: dict[str, list] = {}
+    for n in needs:
+        by_dir.setdefault(shm_dir or n.shm_dir, []).append(n)
+    checks = [check_shm(node_args(group, DoctorArgs(shm_dir=d))) for d, group in by_dir.items()]
+    checks.append(check_host_memory(node_args(needs, DoctorArgs())))
     for c in checks:
         print(c.line(), flush=True)
     if any(c.status == "FAIL" for c in checks):

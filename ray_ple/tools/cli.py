@@ -3,6 +3,7 @@
     ray-ple check SERVE.yaml      would `serve run` accept it, can this node hold it (no Ray)
     ray-ple doctor [...]          can this pod hold what ray-ple will ask of it (k8s init step)
     ray-ple render-k8s [--check]  write (or compare) k8s/*.yaml and k8s/README.md's sizing
+    ray-ple ready [-n APP]        wait until a Serve application can serve (token auth as set)
 
 Each subcommand imports its module only when run: `doctor` must stay light and CUDA-free.
 """
@@ -30,6 +31,12 @@ def _check(ns: argparse.Namespace) -> int:
     from ray_ple.tools.check import main
 
     return main(ns.config, read_checkpoint=not ns.no_checkpoint, shm_dir=ns.shm_dir)
+
+
+def _ready(ns: argparse.Namespace) -> int:
+    from ray_ple.tools.ready import main
+
+    return main(ns.name, ns.address, ns.timeout, ns.interval)
 
 
 def _render_k8s(ns: argparse.Namespace) -> int:
@@ -61,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--no-checkpoint", action="store_true",
                    help="checkpoints live elsewhere: validate what needs none; no table or "
                    "node check")
-    c.add_argument("--shm-dir", default="/dev/shm")
+    c.add_argument("--shm-dir", default=None, help="check this directory instead of each "
+                   "model's ple.shm_dir")
     c.set_defaults(run=_check)
 
     d = sub.add_parser("doctor", help="preflight checks, one line each; exit 1 on FAIL")
@@ -79,6 +87,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--config", help="a `serve run` config: every figure from it, as the server "
                    "computes them (this node holds all its replicas)")
     d.set_defaults(run=_doctor)
+
+    w = sub.add_parser("ready", help="wait until a Serve application is RUNNING (exit 0), "
+                       "failed (1) or the timeout passed (124)")
+    w.add_argument("-n", "--name", default="ple", help="the application's name")
+    w.add_argument("--address", default="http://127.0.0.1:8265", help="Ray's dashboard")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    w.add_argument("--interval", type=float, default=2.0, help="seconds between looks")
+    w.set_defaults(run=_ready)
 
     r = sub.add_parser("render-k8s", help="k8s/*.yaml from k8s/spec/clusters.yaml + serve_configs/")
     r.add_argument("--root", help="project root (default: the checkout holding the current "

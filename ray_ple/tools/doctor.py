@@ -109,6 +109,7 @@ class ModelNeeds(Frozen):
     parts: tuple[int, ...]
     slot_row_bytes: int  # one token's row across the pair's slots
     pair_bytes: int  # the server's `offload_ready` segment_bytes
+    shm_dir: str = "/dev/shm"  # `ple.shm_dir`: where its table and pair segments go
 
     @property
     def workers(self) -> int:
@@ -377,7 +378,8 @@ def model_needs(m: CheckedModel, read_checkpoint: bool = True) -> ModelNeeds | N
         row_layers=geometry.row_layers, resident_layers=geometry.resident_layers,
         parts=geometry.part_layers, slot_row_bytes=sum(s.row_bytes for s in slots),
         pair_bytes=PairLayout.compute(geometry.max_tokens,
-                                      tuple(s.row_bytes for s in slots)).size)
+                                      tuple(s.row_bytes for s in slots)).size,
+        shm_dir=m.ple.shm_dir)
 
 
 def node_args(needs: list[ModelNeeds], base: DoctorArgs) -> DoctorArgs:
