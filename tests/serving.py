@@ -46,16 +46,26 @@ def serve_command() -> list[str]:
     return [sys.executable, "-c", SERVE_CLI]
 
 
+def child_env(changes: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment with `changes` (None: the variable removed, as a user who
+    never set it has it)."""
+    env = {**os.environ, **{k: v for k, v in changes.items() if v is not None}}
+    for k in [k for k, v in changes.items() if v is None]:
+        env.pop(k, None)
+    return env
+
+
 class ServeRun:
     """`serve run <config>` as a user types it, in its own process group and Ray cluster."""
 
-    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path, log: Path,
+                 env: dict[str, str | None] | None = None) -> None:
         self.log = log
         self._out = open(log, "w")
         self.proc = subprocess.Popen(
             [*serve_command(), "run", str(config)], cwd=REPO, stdout=self._out,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ctrl_c_works,
-            env={**os.environ, "RAY_ADDRESS": "local", **(env or {})})
+            env=child_env({"RAY_ADDRESS": "local", **(env or {})}))
 
     def wait_ready(self, model: str, timeout: float = 420) -> float:
         t0 = time.monotonic()

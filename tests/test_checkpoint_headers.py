@@ -15,8 +15,8 @@ import os
 import random
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml

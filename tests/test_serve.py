@@ -27,12 +27,15 @@ import yaml
 
 from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, remove_unused
 from ray_ple.tiny_model import PRESETS, build
+from ray_ple.tools.ready import app_status
 from tests.hf_reference import hf_agrees
 from tests.leftovers import ple_processes, ple_shm_entries
 from tests.serving import (
     BASE,
+    REPO,
     ServeRun,
     audio_part,
+    child_env,
     complete,
     image_part,
     load_config,
@@ -45,7 +48,9 @@ PROMPTS = [[5, 6, 7, 8], [100, 101], [9, 30, 31, 32, 33, 34, 35, 36], [250, 4]]
 MODELS = ("tiny-gemma4", "tiny-gemma4-plain", "tiny-gemma3n")
 DASHBOARD = "http://127.0.0.1:8265"
 # The README's readiness check, run as written (exit 0 only once the application is RUNNING)
-READY_CHECK = 'serve status -n ple | grep -qx "status: RUNNING"'
+READY_CHECK = ".venv/bin/ray-ple ready -n ple --timeout 600"
+# as a user runs it: no RAY_* variable, so Ray 2.60's default token auth is on
+AS_USER = {"RAY_AUTH_MODE": None}
 SHORT_TIMEOUT_S = 15  # a one-token completion on a started replica, on 2 busy cores
 
 
@@ -56,10 +61,11 @@ class StartWatch:
     def __init__(self) -> None:
         self.t0 = time.time()
         self.models_at: float | None = None
-        self.check_at_models: int | None = None  # READY_CHECK's exit status then
+        self.check_done_at_models: bool | None = None  # had READY_CHECK exited by then?
         self.statuses: list[tuple[float, str | None]] = []
         self.running_at: float | None = None
-        self.check_at_running: int | None = None
+        self.check: subprocess.Popen | None = None  # READY_CHECK, started with `serve run`
+        self.check_exit: tuple[int, float] | None = None  # its status and when it ended
         self.sent_at_running: dict[str, tuple[int, float]] = {}  # model -> (status, seconds)
         self.first_ok_at: float | None = None  # the background prober's first 200
         self._stop = threading.Event()
@@ -77,6 +83,8 @@ class StartWatch:
     def watch(self, run: ServeRun, timeout: float = 420) -> None:
         prober = threading.Thread(target=self.probe, daemon=True)
         prober.start()
+        self.check = subprocess.Popen(["bash", "-c", READY_CHECK], cwd=REPO,
+                                      env=child_env(AS_USER), stdout=subprocess.DEVNULL)
         try:
             while self.running_at is None:
                 if time.time() - self.t0 > timeout:
@@ -87,22 +95,25 @@ class StartWatch:
                     with contextlib.suppress(requests.RequestException):
                         if requests.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
                             self.models_at = time.time()
-                            self.check_at_models = _ready_check()
+                            self.check_done_at_models = self.check.poll() is not None
                 status = _app_status()
                 self.statuses.append((time.time(), status))
                 assert status != "DEPLOY_FAILED", run.log.read_text()[-4000:]
                 if status == "RUNNING":
                     self.running_at = time.time()
-                    self.check_at_running = _ready_check()
                     for model in MODELS:  # sent when ready: each answers within a short time
                         t = time.monotonic()
                         r = requests.post(f"{BASE}/v1/completions", timeout=SHORT_TIMEOUT_S,
                                           json={"model": model, "prompt": "w5", "max_tokens": 1})
                         self.sent_at_running[model] = (r.status_code, time.monotonic() - t)
                 time.sleep(0.5)
+            code = self.check.wait(timeout=30)
+            self.check_exit = (code, time.time())
         finally:
             self._stop.set()
             prober.join(10)
+            if self.check.poll() is None:
+                self.check.kill()
 
     def summary(self) -> dict[str, float | None]:
         """Seconds from `serve run` to each moment."""
@@ -112,19 +123,9 @@ class StartWatch:
 
 
 def _app_status() -> str | None:
-    """The application's status as `serve status` reads it (the dashboard's Serve API)."""
-    try:
-        r = requests.get(f"{DASHBOARD}/api/serve/applications/", timeout=5)
-        return r.json()["applications"]["ple"]["status"] if r.ok else None
-    except (requests.RequestException, ValueError, KeyError, TypeError):
-        return None
-
-
-def _ready_check() -> int:
-    serve_bin = str(Path(sys.executable).parent)
-    return subprocess.run(["bash", "-c", READY_CHECK], timeout=60, check=False,
-                          env={**os.environ, "PATH": f"{serve_bin}:{os.environ['PATH']}"}
-                          ).returncode
+    """The application's status as the dashboard's Serve API has it (with the cluster's
+    token: the run has token auth on, as a user's)."""
+    return app_status(DASHBOARD, "ple")[0]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def served(tmp_path_factory):
     app["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0.1}}
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "ple-test.yaml").write_text(yaml.safe_dump(cfg))
-    run = ServeRun(tmp / "ple-test.yaml", tmp / "serve.log")
+    run = ServeRun(tmp / "ple-test.yaml", tmp / "serve.log", env=AS_USER)
     run.start = StartWatch()
     try:
         run.start.watch(run)
@@ -166,7 +167,8 @@ def test_ready_only_when_serve_says_running(served):
     offloaded replica's `start()` returned (pairs built and attached, engine started: the
     `replica_ready` events), while `/v1/models` answers well before; a completion sent to each
     model once it says RUNNING succeeds within a short timeout. The README's check, run as
-    written, fails while `/v1/models` already answers and passes at RUNNING."""
+    written from the moment `serve run` starts, with no RAY_* variable (Ray's default token
+    auth on), is still waiting while `/v1/models` already answers and exits 0 at RUNNING."""
     start: StartWatch = served.start
     ready = [e["ts"] for e in _logged(served.log.read_text(), "replica_ready")]
     print(f"start: {start.summary()}, replica_ready at "
@@ -179,7 +181,9 @@ def test_ready_only_when_serve_says_running(served):
     assert all(s < SHORT_TIMEOUT_S for _, s in start.sent_at_running.values())
     # the gap: the ingress lists the models before any replica can serve
     assert start.models_at is not None and start.models_at < min(ready)
-    assert start.check_at_models != 0 and start.check_at_running == 0
+    assert start.check_done_at_models is False
+    code, ended = start.check_exit
+    assert code == 0 and max(ready) <= ended <= start.running_at + 10, (code, ended)
     assert start.first_ok_at is None or start.first_ok_at >= min(ready)
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert READY_CHECK in readme, "the README documents the check this test runs"
