@@ -22,19 +22,25 @@ _STRICT = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=Fal
 # node; an hour covers any one forward (a long prefill on a CPU engine takes minutes) and any
 # flag wait or heartbeat gap of a live side.
 _DAY_S, _HOUR_S = 86400.0, 3600.0
+# Floors: a look or a beat more often than every millisecond only spins a core, and a
+# deadline under 10 ms (startup: 100 ms) is shorter than a scheduler's time slice.
+_MS = 0.001
+# Slot rows: 256 Ki tokens in one forward is past any engine's max_num_batched_tokens, and
+# E4B's slots for it would take 5.6 GB of page-locked memory in every worker.
+MAX_TOKENS = 1 << 18
 
 
 class PleDeadlines(Frozen):
     """Progress deadlines; missing one ends the replica (`docs/design-notes.md#supervision`)."""
 
     model_config = _STRICT
-    startup_s: float = Field(900.0, gt=0, le=_DAY_S,
+    startup_s: float = Field(900.0, ge=0.1, le=_DAY_S,
                              description="table load + engine start + capture")
-    step_s: float = Field(60.0, gt=0, le=_HOUR_S,
+    step_s: float = Field(60.0, ge=0.01, le=_HOUR_S,
                           description="a posted step must be released in time")
-    offload_wait_s: float = Field(10.0, gt=0, le=_HOUR_S,
+    offload_wait_s: float = Field(10.0, ge=0.01, le=_HOUR_S,
                                   description="offload actor waits for flag == 0")
-    heartbeat_s: float = Field(5.0, gt=0, le=_HOUR_S,
+    heartbeat_s: float = Field(5.0, ge=0.01, le=_HOUR_S,
                                description="a side whose heartbeat is older is dead")
 
 
@@ -43,9 +49,9 @@ class SupervisorConfig(Frozen):
     set them to place a fault; a served model keeps the defaults."""
 
     model_config = _STRICT
-    poll_interval_s: float = Field(0.02, gt=0, le=5, description="advanced: how often the "
+    poll_interval_s: float = Field(0.02, ge=_MS, le=5, description="advanced: how often the "
                                    "supervisor reads each pair's counters")
-    heartbeat_interval_s: float = Field(0.25, gt=0, le=5, description="advanced: how often "
+    heartbeat_interval_s: float = Field(0.25, ge=_MS, le=5, description="advanced: how often "
                                         "each side beats")
 
 
@@ -103,7 +109,8 @@ class PleConfig(Frozen):
         None, description="checkpoint tensor of the PLE table; found by name when unset"
     )
     max_tokens: int | None = Field(
-        None, gt=0, description="slot rows; defaults to the engine's max_num_batched_tokens"
+        None, gt=0, le=MAX_TOKENS, description="slot rows; defaults to the engine's "
+        "max_num_batched_tokens"
     )
     deadlines: PleDeadlines = PleDeadlines()
     supervisor: SupervisorConfig = Field(SupervisorConfig(), description="advanced: see "
