@@ -29,21 +29,36 @@ def run_job(address: str, job: dict, module: str = "tests.engine_job",
     return result
 
 
+def start_job(address: str, job: dict, module: str = "tests.engine_job",
+              env: dict | None = None) -> subprocess.Popen:
+    """An engine run started in its own process (several engines can share a GPU)."""
+    return subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
+                            env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def finish_jobs(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]:
+    """The `RESULT` lines of started runs, in order; a run that failed fails the caller
+    (with its output), and every run still going is then killed."""
+    try:
+        results = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
 def run_jobs(address: str, jobs: list[dict], module: str = "tests.engine_job",
              env: dict | None = None, timeout_s: float = 900) -> list[dict]:
-    """Engine runs at once, each in its own process (several engines share a GPU); their
-    `RESULT` lines as dicts, in the order of `jobs`."""
-    procs = [subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
-                              env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=REPO) for job in jobs]
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    return results
+    """Engine runs at once, each in its own process; their results in the order of `jobs`."""
+    return finish_jobs([start_job(address, job, module, env) for job in jobs], timeout_s)
 
 
 def flat(tokens: list[list[list[int]]]) -> list[list[int]]:

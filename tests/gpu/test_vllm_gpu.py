@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.engines import local_cluster, run_jobs
+from tests.engines import finish_jobs, local_cluster, start_job
 
 
 def _vllm_cuda() -> bool:
@@ -62,17 +62,35 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def text_runs(cluster: str) -> dict[tuple[str, str, str], dict]:
-    """Both tiny models, offload and plain, compiled and eager: eight engines at once."""
-    keys = [(m, mode, v) for m in MODELS for mode in MODES for v in ("offload", "plain")]
-    jobs = [_job(m, mode, v == "offload") for m, mode, v in keys]
-    return dict(zip(keys, run_jobs(cluster, jobs, timeout_s=540)))
+def runs(cluster: str) -> dict[tuple[str, ...], dict]:
+    """Every engine of the module at once (about 14 on one GPU, each with its fixed KV
+    cache): both tiny models offload and plain, compiled and eager; then an image and a video
+    through Gemma 4 with towers, n-gram speculation, and a long decode whose offload actor is
+    killed, offload and plain of each."""
+    jobs: dict[tuple[str, ...], tuple[str, dict]] = {
+        (m, mode, v): ("tests.engine_job", _job(m, mode, v == "offload"))
+        for m in MODELS for mode in MODES for v in ("offload", "plain")}
+    engine = {**GPU, **MODES["compiled"]}
+    features = {
+        "media": ("tests.test_media_offload",
+                  {"model": "gemma4", "max_tokens": 16, "engine": engine}),
+        "ngram": ("tests.test_speculative",
+                  {"model": MODELS["gemma4"], "max_tokens": 48, "engine": engine,
+                   "prompts": SPEC_PROMPTS, "spec": NGRAM}),
+        "kill": ("tests.engine_job", {**_job("gemma4", "compiled"), "batches": [PROMPTS],
+                                      "kill_mid_decode": 40, "long_tokens": 200}),
+    }
+    for name, (module, job) in features.items():
+        for v in ("offload", "plain"):
+            jobs[name, v] = (module, {**job, "ple": {"enabled": v == "offload"}})
+    procs = [start_job(cluster, job, module) for module, job in jobs.values()]
+    return dict(zip(jobs, finish_jobs(procs, timeout_s=540)))
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(text_runs, model, mode):
-    offload, plain = text_runs[model, mode, "offload"], text_runs[model, mode, "plain"]
+def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(runs, model, mode):
+    offload, plain = runs[model, mode, "offload"], runs[model, mode, "plain"]
     assert offload["tokens"] == plain["tokens"]
     assert all(len(t) == MAX_TOKENS for batch in offload["tokens"] for t in batch)
     (status,) = offload["status"]
@@ -92,33 +110,12 @@ def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(text_runs, model, mod
         assert "NONE" in pair["cudagraph_mode"], pair
 
 
-def test_worker_holds_no_ple_table_on_the_gpu(text_runs):
+def test_worker_holds_no_ple_table_on_the_gpu(runs):
     for model in MODELS:
-        (inv_off,) = text_runs[model, "compiled", "offload"]["inventory"]
-        (inv_plain,) = text_runs[model, "compiled", "plain"]["inventory"]
+        (inv_off,) = runs[model, "compiled", "offload"]["inventory"]
+        (inv_plain,) = runs[model, "compiled", "plain"]["inventory"]
         assert [n for n, _ in inv_plain if "embed_tokens_per_layer" in n], "plain holds it"
         assert not [n for n, _ in inv_off if "embed_tokens_per_layer" in n]
-
-
-@pytest.fixture(scope="module")
-def feature_runs(cluster: str) -> dict[str, dict]:
-    """An image and a video through Gemma 4 with towers, n-gram speculation, and a long
-    decode whose offload actor is killed: offload and plain of each, all at once."""
-    engine = {**GPU, **MODES["compiled"]}
-    media = {"model": "gemma4", "max_tokens": 16, "engine": engine}
-    spec = {"model": MODELS["gemma4"], "max_tokens": 48, "engine": engine,
-            "prompts": SPEC_PROMPTS, "spec": NGRAM}
-    kill = {**_job("gemma4", "compiled"), "batches": [PROMPTS], "kill_mid_decode": 40,
-            "long_tokens": 200}
-    jobs = {"media": (media, "tests.test_media_offload"),
-            "ngram": (spec, "tests.test_speculative"), "kill": (kill, "tests.engine_job")}
-    keys = [(name, v) for name in jobs for v in ("offload", "plain")]
-    results = {}
-    for module in {m for _, m in jobs.values()}:
-        mine = [k for k in keys if jobs[k[0]][1] == module]
-        batch = [{**jobs[name][0], "ple": {"enabled": v == "offload"}} for name, v in mine]
-        results.update(zip(mine, run_jobs(cluster, batch, module=module, timeout_s=540)))
-    return results
 
 
 # prompts whose greedy continuations repeat (tests/test_speculative.py), so drafts are kept
@@ -128,8 +125,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
 
-def test_image_and_video_through_gemma4_with_towers_equal_plain(feature_runs):
-    offload, plain = feature_runs["media", "offload"], feature_runs["media", "plain"]
+def test_image_and_video_through_gemma4_with_towers_equal_plain(runs):
+    offload, plain = runs["media", "offload"], runs["media", "plain"]
     assert offload["tokens"] == plain["tokens"]
     assert offload["prompt_tokens"] == plain["prompt_tokens"]
     images = offload["tokens"][:2]
@@ -138,8 +135,8 @@ def test_image_and_video_through_gemma4_with_towers_equal_plain(feature_runs):
     assert after["posted"] == after["released"] > 0
 
 
-def test_ngram_speculation_equal_plain_with_drafts_accepted(feature_runs):
-    offload, plain = feature_runs["ngram", "offload"], feature_runs["ngram", "plain"]
+def test_ngram_speculation_equal_plain_with_drafts_accepted(runs):
+    offload, plain = runs["ngram", "offload"], runs["ngram", "plain"]
     assert offload["tokens"] == plain["tokens"]
     assert offload["spec"]["accepted"] > 0, offload["spec"]
     assert offload["spec"] == plain["spec"]
@@ -147,11 +144,11 @@ def test_ngram_speculation_equal_plain_with_drafts_accepted(feature_runs):
     assert after["posted"] == after["released"] > 0
 
 
-def test_offload_killed_mid_decode_the_generate_fails_closed(feature_runs):
+def test_offload_killed_mid_decode_the_generate_fails_closed(runs):
     """The offload actor dies while a long decode runs (CUDA graphs replaying the pull): no
     token computed from a missing row comes back, and the next generate raises."""
-    kill = feature_runs["kill", "offload"]["kill"]
-    reference = feature_runs["kill", "plain"]["long"]
+    kill = runs["kill", "offload"]["kill"]
+    reference = runs["kill", "plain"]["long"]
     during, after = kill["during"], kill["after"]
     if "tokens" in during:  # finished before the kill took effect: then every token is right
         assert during["tokens"] == reference
