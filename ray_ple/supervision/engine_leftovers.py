@@ -141,12 +141,14 @@ def in_use(paths: set[str]) -> set[str]:
 
 
 def remove_unused(paths: Iterable[str]) -> list[str]:
-    """Unlink every one of `paths` that still exists and that no live process uses; outside
-    /dev/shm only socket files."""
+    """Unlink every one of `paths` that still exists, is this uid's and that no live process
+    uses; outside /dev/shm only socket files."""
     left = {p for p in paths if p.startswith(SHM_DIR) and os.path.exists(p) or _is_socket(p)}
     removed = []
     for path in sorted(left - in_use(left)) if left else []:
         try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
             os.unlink(path)
             removed.append(path)
         except OSError:
