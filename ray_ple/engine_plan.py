@@ -20,6 +20,7 @@ from ray_ple.protocol.geometry import (
     read_hf_config,
 )
 from ray_ple.table_source import TableSource
+from ray_ple.worker.vllm_plugin.mirror import check_vllm_version
 
 DEFAULT_MAX_TOKENS = 8192
 # vLLM's `worker_cls` per transport, by name: the plan never imports vLLM's worker modules
@@ -198,6 +199,9 @@ def slot_tokens(ple: PleConfig, engine_kwargs: dict[str, Any]) -> int:
 def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, Any],
                  transport: str) -> OffloadPlan:
     """Validate and derive; raises one clear `PleError` for any bad input."""
+    import vllm
+
+    check_vllm_version(vllm.__version__)
     kw = dict(engine_kwargs)
     max_tokens = slot_tokens(ple, kw)
     kw.setdefault("max_num_batched_tokens", max_tokens)

@@ -82,17 +82,17 @@ def wheel_project(path: Path) -> str:
     return norm(path.name.split("-")[0])
 
 
-def pins() -> dict[str, str]:
-    """vllm (the `cuda` extra) and ray (the base dependency) as `pyproject.toml` pins them."""
+def pins(vllm: str) -> dict[str, str]:
+    """ray as `pyproject.toml` pins it, and the vLLM release carried (one of those the `cuda`
+    extra admits)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    reqs = [*project["dependencies"], *project["optional-dependencies"]["cuda"]]
-    found = {}
-    for req in reqs:
+    found = {"vllm": f"vllm=={vllm}"}
+    for req in project["dependencies"]:
         m = re.match(r"([A-Za-z0-9_.-]+)(\[[^]]*\])?\s*(==.*)$", req)
-        if m and norm(m.group(1)) in ("vllm", "ray"):
-            found[norm(m.group(1))] = m.group(1) + m.group(3)
-    if set(found) != {"vllm", "ray"}:
-        raise SystemExit(f"pyproject.toml must pin vllm (cuda extra) and ray with ==: {found}")
+        if m and norm(m.group(1)) == "ray":
+            found["ray"] = m.group(1) + m.group(3)
+    if "ray" not in found:
+        raise SystemExit("pyproject.toml must pin ray with ==")
     return found
 
 
@@ -162,10 +162,10 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(out: Path, part_mib: int) -> None:
+def build(out: Path, part_mib: int, vllm: str) -> None:
     cache = out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    roots = pins()
+    roots = pins(vllm)
     say(f"downloading {roots['vllm']} (CUDA, ~330 MB) and {roots['ray']} for Python {PYTHON}")
     download(cache / "roots", list(roots.values()), deps=False)
     say(f"downloading {len(BUNDLED)} small packages and their dependencies")
@@ -277,12 +277,14 @@ def main() -> int:
     b.add_argument("--out", type=Path, default=REPO / ".devcarry" / "bundle")
     b.add_argument("--part-mib", type=int, default=57,
                    help="largest part (a device call carries 64 MiB with the checkout)")
+    b.add_argument("--vllm", default="0.32.0", help="the vLLM release carried (0.32.0: the "
+                   "one whose extensions were checked against the GPU machine's torch)")
     a = sub.add_parser("assemble")
     a.add_argument("--parts", type=Path, required=True)
     a.add_argument("--dest", type=Path, required=True)
     args = ap.parse_args()
     if args.cmd == "build":
-        build(args.out, args.part_mib)
+        build(args.out, args.part_mib, args.vllm)
         return 0
     return assemble(args.parts, args.dest)
 

@@ -30,6 +30,7 @@ from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
 from ray_ple.worker.vllm_plugin.attach import attach_worker
 from ray_ple.worker.vllm_plugin.embedding import offload_embedding, without_table
+from ray_ple.worker.vllm_plugin.mirror import check_mirrored
 
 _SKIP = "embed_tokens_per_layer."
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -57,6 +58,7 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
 
 class RayPleGemma3nForCausalLM(Gemma3nForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        check_mirrored("vllm.model_executor.models.gemma3n")
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
         (layer,) = settings.geometry.tables
         text_vllm_config = _text_only(vllm_config)

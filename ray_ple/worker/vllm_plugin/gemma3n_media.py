@@ -25,17 +25,13 @@ from ray_ple.errors import PleModelError
 from ray_ple.worker.vllm_plugin.gemma3n import RayPleGemma3nForCausalLM
 from ray_ple.worker.vllm_plugin.mirror import check_mirrored, language_model_as
 
-# sha256 (first 16 hex digits) of the vLLM 0.32.0 sources this class mirrors
-_MIRRORED = {"Gemma3nForConditionalGeneration.embed_input_ids": "eee0baede374feef",
-             "Gemma3nForConditionalGeneration.forward": "ac745b464b3595d6"}
-
 
 class RayPleGemma3nForConditionalGeneration(Gemma3nForConditionalGeneration):
     """vLLM's Gemma 3n media class, its PLE rows pulled from the pair in the forward
     (registered as `ARCHITECTURES["Gemma3nForConditionalGeneration"].media_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        check_mirrored(_MIRRORED, Gemma3nForConditionalGeneration)
+        check_mirrored("vllm.model_executor.models.gemma3n_mm")
         with language_model_as(vllm_gemma3n_mm, "Gemma3nForCausalLM",
                                "RayPleGemma3nForCausalLM"):
             super().__init__(vllm_config=vllm_config, prefix=prefix)

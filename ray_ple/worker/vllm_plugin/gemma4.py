@@ -53,7 +53,7 @@ buffer before any gate reads it. Ids outside
 `vocab_size_per_layer_input` map to row 0 on the offload side (its gather), as vLLM's
 `torch.where` does. Refused: kv-sharing fast prefill (YOCO's split forward builds every
 layer's input inside the self-decoder and copies it for the cross-decoder) and any vLLM
-whose mirrored sources differ from 0.32.0's.
+whose mirrored sources differ from those ray-ple was checked against (`mirror.MIRRORED`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from vllm.model_executor.models.gemma4 import (
     Gemma4DecoderLayer,
     Gemma4ForCausalLM,
     Gemma4Model,
-    Gemma4SelfDecoderLayers,
     _get_text_config,
 )
 
@@ -85,11 +84,6 @@ from ray_ple.worker.vllm_plugin.mirror import check_mirrored
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor), as vLLM loads them
 PLE_WEIGHT = "embed_tokens_per_layer."  # in the name of the checkpoint's table
 
-# sha256 (first 16 hex digits) of the vLLM 0.32.0 sources `_layer_forward` and
-# `PleOffloadGemma4Model.forward` mirror; any other source is refused rather than guessed at
-_MIRRORED = {"Gemma4DecoderLayer.forward": "7cd0b990b419b392",
-             "Gemma4Model.forward": "4462a1c4d8732679",
-             "Gemma4SelfDecoderLayers.project_per_layer_inputs": "1e31659e1ea7f8ca"}
 
 # `ray_ple::settle(Tensor(a!) x) -> ()`: does nothing, but a compiler must hand it `x` as a
 # real buffer. vLLM's compiled graph stores every layer's combined input in bf16 before any
@@ -339,7 +333,7 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
     Gemma 4 (registered as `ARCHITECTURES[...].offload_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        check_mirrored(_MIRRORED, Gemma4DecoderLayer, Gemma4Model, Gemma4SelfDecoderLayers)
+        check_mirrored("vllm.model_executor.models.gemma4")
         if vllm_config.cache_config.kv_sharing_fast_prefill:
             raise PleConfigError(
                 "kv_sharing_fast_prefill is not supported with ray-ple's offloaded PLE: YOCO's "

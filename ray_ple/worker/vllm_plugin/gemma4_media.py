@@ -28,17 +28,13 @@ from ray_ple.errors import PleModelError
 from ray_ple.worker.vllm_plugin.gemma4 import PleOffloadGemma4Model
 from ray_ple.worker.vllm_plugin.mirror import check_mirrored, language_model_as
 
-# sha256 (first 16 hex digits) of the vLLM 0.32.0 sources this class mirrors
-_MIRRORED = {"Gemma4ForConditionalGeneration.embed_input_ids": "29801fc919052b60",
-             "Gemma4ForConditionalGeneration.forward": "93464c877f0485fd"}
-
 
 class RayPleGemma4ForConditionalGeneration(Gemma4ForConditionalGeneration):
     """vLLM's Gemma 4 media class, its PLE rows pulled from the pair (registered as
     `ARCHITECTURES["Gemma4ForConditionalGeneration"].media_arch`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        check_mirrored(_MIRRORED, Gemma4ForConditionalGeneration)
+        check_mirrored("vllm.model_executor.models.gemma4_mm")
         with language_model_as(vllm_gemma4_mm, "Gemma4ForCausalLM", "RayPleGemma4ForCausalLM"):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.language_model.model

@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from ray_ple.errors import PleConfigError
 from ray_ple.worker import pair as worker_pair
+from ray_ple.worker.vllm_plugin.mirror import check_mirrored
 
 
 class PleRunnerMixin:
@@ -70,6 +71,7 @@ def _with_ple(runner_cls: type) -> type:
 
 class PleCPUWorker(CPUWorker):
     def init_device(self) -> None:
+        check_mirrored("vllm.v1.worker.gpu_model_runner")  # CPUModelRunner's hooked methods
         super().init_device()
         if self.use_v2_model_runner:
             raise PleConfigError("PLE offload needs vLLM's V1 model runner "
@@ -80,6 +82,8 @@ class PleCPUWorker(CPUWorker):
 
 class PleGPUWorker(Worker):
     def _make_model_runner(self):  # noqa: ANN202 - vLLM's GPUModelRunner
+        check_mirrored("vllm.v1.worker.gpu_worker")
+        check_mirrored("vllm.v1.worker.gpu_model_runner")
         if self.use_v2_model_runner:
             raise PleConfigError("PLE offload needs vLLM's V1 model runner "
                                  "(VLLM_USE_V2_MODEL_RUNNER=0)")
