@@ -38,6 +38,9 @@ class PleDeadlines(Frozen):
                              description="table load + engine start + capture")
     step_s: float = Field(60.0, ge=0.01, le=_HOUR_S,
                           description="a posted step must be released in time")
+    step_token_s: float = Field(0.02, ge=0, le=1.0,
+                                description="added to step_s per token of the step: a "
+                                "long prefill on a slow CPU engine is not a stuck step")
     offload_wait_s: float = Field(10.0, ge=0.01, le=_HOUR_S,
                                   description="offload actor waits for flag == 0")
     heartbeat_s: float = Field(5.0, ge=0.01, le=_HOUR_S,

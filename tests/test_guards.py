@@ -551,6 +551,22 @@ def test_a_step_deadline_is_missed_only_past_its_limit():
     assert d.check(True, 2, 1_000 + 250_000_001) is None  # a new step: a new clock
 
 
+def test_a_long_steps_deadline_grows_with_its_tokens():
+    """`step_deadline`: `step_s` plus `step_token_s` per token of the step, so that a healthy
+    8,192-token prefill on a slow CPU engine (minutes) is not ended, and a decode step keeps
+    the short bound."""
+    from ray_ple.config import PleDeadlines
+    from ray_ple.protocol.transaction import step_deadline
+
+    d = step_deadline(PleDeadlines(step_s=60, step_token_s=0.02))
+    assert d.check(True, 1, 0, tokens=8192) is None
+    assert d.check(True, 1, int(60e9 + 8192 * 0.02e9), tokens=8192) is None
+    assert d.check(True, 1, int(60e9 + 8192 * 0.02e9) + 1, tokens=8192) is not None
+    decode = step_deadline(PleDeadlines(step_s=60, step_token_s=0.02))
+    assert decode.check(True, 7, 0, tokens=1) is None
+    assert decode.check(True, 7, int(60.03e9), tokens=1) is not None
+
+
 def test_a_checkpoint_of_an_unsupported_dtype_is_one_model_error(tmp_path):
     """`_engine_dtype`: a table dtype the transport cannot copy (int8 here) is one
     `PleModelError` naming it, before any geometry or segment is made from it."""
@@ -783,21 +799,23 @@ def test_huge_pages_are_not_asked_for_where_python_cannot_ask(monkeypatch):
 
 
 def test_a_checkpoint_cut_short_inside_its_table_is_refused(tmp_path):
-    """`load_rows`: a safetensors file that ends inside the PLE tensor (a copy cut short) is one
-    `PleModelError` naming it, never a table whose last rows are zeros (or a load that
-    spins on a read of nothing)."""
+    """A safetensors file that ends inside the PLE tensor (a copy cut short) is one
+    `PleModelError` naming it, never a table whose last rows are zeros (or a load that spins
+    on a read of nothing): refused by its header check before anything is made, and by
+    `load_rows` when it is cut after its header was read."""
+    from ray_ple.offload.table_file import TableFile
+    from tests.test_table_store import _load_into_segment
+
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, rows=64, layers=2, ple_dim=8)
     (path,) = ckpt.glob("*.safetensors")
-    os.truncate(path, path.stat().st_size - 100)
     source = spec_for(ckpt, max_tokens=8).sources[0]
-    table = None
-    try:
+    with TableFile.open(source) as table:  # header read whole; cut before the rows are read
+        os.truncate(path, path.stat().st_size - 100)
         with pytest.raises(PleModelError, match="ends inside"):
-            table = acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
-    finally:
-        if table is not None:
-            table.close()
+            _load_into_segment(table, source)
+    with pytest.raises(PleModelError, match="the file is truncated"):
+        acquire_table(source, shm_dir="/dev/shm", deadline_s=30)
 
 
 def test_a_broker_that_sends_no_fd_is_waited_out_not_a_crash(source):

@@ -202,26 +202,32 @@ class Deadline:
     offload_wait_s", by the offload side and by the supervisor alike.
     """
 
-    def __init__(self, reason: Reason, limit_s: float, what: str) -> None:
+    def __init__(self, reason: Reason, limit_s: float, what: str,
+                 per_token_s: float = 0.0) -> None:
         self.reason, self.limit_ns, self.what = reason, int(limit_s * 1e9), what
+        self.per_token_ns = int(per_token_s * 1e9)
         self._key: int | None = None
         self._since = 0
 
-    def check(self, holds: bool, step: int, now_ns: int) -> Failure | None:
+    def check(self, holds: bool, step: int, now_ns: int, tokens: int = 0) -> Failure | None:
+        """`tokens`: the step's token count, where the limit grows with it."""
         if not holds:
             self._key = None
             return None
         if self._key != step:
             self._key, self._since = step, now_ns
-        if now_ns - self._since > self.limit_ns:
-            return Failure(self.reason, f"step {step} {self.what} within "
-                           f"{self.limit_ns / 1e9:g}s")
+        limit = self.limit_ns + max(0, tokens) * self.per_token_ns
+        if now_ns - self._since > limit:
+            return Failure(self.reason, f"step {step} {self.what} within {limit / 1e9:g}s")
         return None
 
 
 def step_deadline(deadlines: PleDeadlines) -> Deadline:
-    """A posted step must be released in time (also catches a GPU stuck in a wait)."""
-    return Deadline(Reason.STEP_DEADLINE, deadlines.step_s, "not released")
+    """A posted step must be released in time (also catches a GPU stuck in a wait): `step_s`
+    plus `step_token_s` per token of the step, so that a long prefill on a slow CPU engine is
+    never taken for a stuck step, while a decode step keeps the short bound."""
+    return Deadline(Reason.STEP_DEADLINE, deadlines.step_s, "not released",
+                    per_token_s=deadlines.step_token_s)
 
 
 def publish_deadline(deadlines: PleDeadlines) -> Deadline:
@@ -398,7 +404,8 @@ class OffloadEnd:
                               f"{Reason(b.reason).name}"))
         if (f := stale_heartbeat(b, Side.WORKER, now_ns, self.deadlines)) is not None:
             self.fail(f)
-        if (f := self._unreleased.check(b.released < self.last, self.last, now_ns)) is not None:
+        if (f := self._unreleased.check(b.released < self.last, self.last, now_ns,
+                                        b.token_count)) is not None:
             self.fail(f)
 
     def await_post(self) -> None:

@@ -317,7 +317,7 @@ class Supervisor:
                 metrics.phase_sample(self.spec.tag, handle.rank,
                                      handle.slot_names[pending], metrics.PHASE_ROWS)
         w.last = c
-        for f in (w.unreleased.check(c.posted > c.released, c.posted, now),
+        for f in (w.unreleased.check(c.posted > c.released, c.posted, now, w.tokens),
                   w.unpublished.check(min(c.published) < c.posted, c.posted, now),
                   stale_heartbeat(b, Side.WORKER, now, self.spec.ple.deadlines),
                   stale_heartbeat(b, Side.OFFLOAD, now, self.spec.ple.deadlines)):
