@@ -67,7 +67,7 @@ def _kill_mid_decode(llm: Any, pairs: Any, job: dict[str, Any],
 
 
 def _inventory(worker: Any) -> list[tuple[str, list[int]]]:
-    model = worker.model_runner.model
+    model = worker.model_runner.get_model()  # the module itself, under any graph wrapper
     named = list(model.named_parameters()) + list(model.named_buffers())
     return [(n, list(t.shape)) for n, t in named]
 

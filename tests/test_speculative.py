@@ -45,7 +45,7 @@ def mtp_config() -> dict[str, Any]:
 def _count_target_forwards(worker: Any) -> None:
     """A pre-hook on the target model: the tokens of every forward it runs (never the
     drafter's, a module of its own)."""
-    model = worker.model_runner.model
+    model = worker.model_runner.get_model()  # the module itself, under any graph wrapper
     model.ray_ple_forwards = []
 
     def hook(module: Any, args: tuple, kwargs: dict) -> None:
@@ -56,7 +56,7 @@ def _count_target_forwards(worker: Any) -> None:
 
 
 def _target_forwards(worker: Any) -> list[int]:
-    return list(worker.model_runner.model.ray_ple_forwards)
+    return list(worker.model_runner.get_model().ray_ple_forwards)
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:

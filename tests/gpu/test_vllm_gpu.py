@@ -98,10 +98,15 @@ def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(runs, model, mode):
     assert forwards == status["released"] >= len(BATCHES) * MAX_TOKENS, status
     assert all(p == forwards for p in status["published"])
     assert status["cuda_evidence"] == [] and status["torch_imported"] is False
-    (pair,), (none,) = offload["pair"], plain["pair"]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_projects_cuda_defaults_as_vllm_resolved_them(runs, mode):
+    """vLLM's async scheduling kept and the stream posting each step (`post: auto`), the
+    cuda transport; compiled with CUDA graphs, or eager."""
+    (pair,), (none,) = runs["gemma4", mode, "offload"]["pair"], runs["gemma4", mode, "plain"][
+        "pair"]
     assert none is None
-    # the project's CUDA defaults as vLLM resolved them: its async scheduling kept, the stream
-    # posting each step; compiled with graphs, or eager
     assert pair["transport"] == "CudaTransport" and pair["async_scheduling"], pair
     assert pair["stream_posts"], pair
     if mode == "compiled":
