@@ -107,9 +107,11 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     from ray_ple.offline import offloaded_llm
 
+    # the same scheduler budget on both sides (the offload's slots default to it)
     engine = {"dtype": "bfloat16", "max_model_len": job["max_model_len"],
               "gpu_memory_utilization": job["gpu_memory_utilization"],
-              "max_num_seqs": job["max_num_seqs"], "skip_tokenizer_init": True, "seed": 0}
+              "max_num_seqs": job["max_num_seqs"], "max_num_batched_tokens": 8192,
+              "skip_tokenizer_init": True, "seed": 0}
     t0 = time.monotonic()
     out: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__}
     with offloaded_llm(job["checkpoint"], {"enabled": job["variant"] == "offload"},
