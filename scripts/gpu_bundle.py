@@ -9,7 +9,7 @@ machine with the package registries:
    small packages they import that the machine lacks (`BUNDLED`, with their dependencies);
 2. drops what the machine has (`scripts/gpu_device_packages.txt`, its image's package list)
    and what ray-ple's models never load: vLLM's FA2 (FA3 serves Hopper), MoE and MLA
-   kernels, `vllm-rs`, `third_party/` kernels; Ray's Java jars, RLlib and source maps;
+   kernels, `vllm-rs`, DeepGEMM and FMHA SM100; Ray's Java jars, RLlib and source maps;
 3. unpacks the rest into one folder (`site/`), packs it as one xz stream and splits that into
    parts of at most `--part-mib`, each with its sha256 in `manifest.json`.
 
@@ -51,7 +51,9 @@ BUNDLED = [
     # Ray and Ray Serve
     "jsonschema", "uvicorn[standard]>=0.26", "watchfiles", "aiohttp-cors", "colorful",
     "opencensus", "smart-open", "opentelemetry-sdk>=1.30", "opentelemetry-proto",
-    "opentelemetry-exporter-prometheus", "mmh3", "grpcio-reflection",
+    "opentelemetry-exporter-prometheus", "mmh3",
+    # the image's grpcio is 1.84: the reflection code generated for the same release
+    "grpcio-reflection==1.84.0",
 ]
 # Carried without their dependencies (they name torch and transformers, which the image has).
 BUNDLED_ALONE = ["xgrammar==0.2.8", "compressed-tensors==0.17.0"]
@@ -63,7 +65,8 @@ NEVER = {"torch", "triton", "kernels", "cryptography", "cffi", "pycparser", "ray
 FORCE = {"typing-extensions"}
 # Wheel members left out, by path prefix (vLLM, Ray).
 DROP = (
-    "vllm/vllm_flash_attn/_vllm_fa2_C", "vllm/vllm-rs", "vllm/third_party/",
+    "vllm/vllm_flash_attn/_vllm_fa2_C", "vllm/vllm-rs", "vllm/third_party/deep_gemm/",
+    "vllm/third_party/fmha_sm100/",
     "vllm/_moe_C", "vllm/_flashmla", "vllm/_flashkda_C", "vllm/_deepselect_C",
     "vllm/_qutlass_C", "ray/jars/", "ray/rllib/",
 )
@@ -118,7 +121,8 @@ def download(cache: Path, reqs: list[str], deps: bool) -> None:
 
 
 def select(cache: Path, have: set[str]) -> list[Path]:
-    """The newest downloaded wheel of each project the machine lacks."""
+    """The downloaded wheel of each project the machine lacks (one per project: the folder
+    holds what this build's pins resolved to)."""
     chosen: dict[str, Path] = {}
     for whl in sorted(cache.glob("*.whl")):
         name = wheel_project(whl)
@@ -126,7 +130,9 @@ def select(cache: Path, have: set[str]) -> list[Path]:
             continue
         if name in have and name not in FORCE:
             continue
-        chosen[name] = whl  # sorted: a later version of a project wins
+        if name in chosen:
+            raise SystemExit(f"two wheels of {name} downloaded: {chosen[name].name}, {whl.name}")
+        chosen[name] = whl
     return sorted(chosen.values())
 
 
@@ -169,6 +175,7 @@ def build(out: Path, part_mib: int, vllm: str) -> None:
     say(f"downloading {roots['vllm']} (CUDA, ~330 MB) and {roots['ray']} for Python {PYTHON}")
     download(cache / "roots", list(roots.values()), deps=False)
     say(f"downloading {len(BUNDLED)} small packages and their dependencies")
+    shutil.rmtree(cache / "deps", ignore_errors=True)  # only what these pins resolve to now
     download(cache / "deps", BUNDLED, deps=True)
     download(cache / "deps", BUNDLED_ALONE, deps=False)
     wheels = sorted((cache / "roots").glob("*.whl")) + select(cache / "deps", device_packages())
