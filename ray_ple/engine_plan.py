@@ -25,8 +25,8 @@ from ray_ple.worker.vllm_plugin.mirror import check_vllm_version
 DEFAULT_MAX_TOKENS = 8192
 # vLLM's `worker_cls` per transport, by name: the plan never imports vLLM's worker modules
 # (tests/test_layout.py checks that each names a class that exists).
-WORKER_CLS = {"cpu": "ray_ple.worker.vllm_plugin.runner.PleCPUWorker",
-              "cuda": "ray_ple.worker.vllm_plugin.runner.PleGPUWorker"}
+WORKER_CLS = {"cpu": "ray_ple.worker.vllm_plugin.workers_cpu.PleCPUWorker",
+              "cuda": "ray_ple.worker.vllm_plugin.workers_gpu.PleGPUWorker"}
 
 
 def table_sources(geometry: PleGeometry, checkpoint_dir: str,

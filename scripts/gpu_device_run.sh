@@ -36,7 +36,7 @@ fi
 if [[ $WHAT == bundle ]]; then
   python3 - <<'PY' 2>&1 | tee "$OUT/bundle.txt"
 import importlib.metadata as md, sys, torch, vllm, ray, ray.serve.llm, pydantic, ray_ple
-import ray_ple.offline, ray_ple.serve, ray_ple.worker.vllm_plugin.runner  # noqa: F401
+import ray_ple.offline, ray_ple.serve, ray_ple.worker.vllm_plugin.workers_gpu  # noqa: F401
 from vllm import LLM, SamplingParams  # noqa: F401
 from vllm.platforms import current_platform
 plugins = [e.name for e in md.entry_points(group="vllm.general_plugins")]

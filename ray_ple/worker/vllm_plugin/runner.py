@@ -15,12 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import Worker
-
 from ray_ple.errors import PleConfigError
 from ray_ple.worker import pair as worker_pair
-from ray_ple.worker.vllm_plugin.mirror import check_mirrored
 
 
 class PleRunnerMixin:
@@ -65,29 +61,8 @@ class PleRunnerMixin:
             return super()._dummy_run(*args, **kwargs)
 
 
-def _with_ple(runner_cls: type) -> type:
+def with_ple(runner_cls: type) -> type:
+    """`runner_cls` with every forward bracketed (the worker classes: `workers_cpu.py`,
+    `workers_gpu.py`, one module each, since vLLM's CPU worker module patches
+    `torch.cuda`'s stream functions when it is imported and must never load on a GPU)."""
     return type(f"Ple{runner_cls.__name__}", (PleRunnerMixin, runner_cls), {})
-
-
-class PleCPUWorker(CPUWorker):
-    def init_device(self) -> None:
-        check_mirrored("vllm.v1.worker.gpu_model_runner")  # CPUModelRunner's hooked methods
-        super().init_device()
-        if self.use_v2_model_runner:
-            raise PleConfigError("PLE offload needs vLLM's V1 model runner "
-                                 "(VLLM_USE_V2_MODEL_RUNNER=0)")
-        # CPUWorker builds its runner inline (no factory): give it the bracketing subclass.
-        self.model_runner.__class__ = _with_ple(type(self.model_runner))
-
-
-class PleGPUWorker(Worker):
-    def _make_model_runner(self):  # noqa: ANN202 - vLLM's GPUModelRunner
-        check_mirrored("vllm.v1.worker.gpu_worker")
-        check_mirrored("vllm.v1.worker.gpu_model_runner")
-        if self.use_v2_model_runner:
-            raise PleConfigError("PLE offload needs vLLM's V1 model runner "
-                                 "(VLLM_USE_V2_MODEL_RUNNER=0)")
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return _with_ple(GPUModelRunner)(self.vllm_config, self.device)
-
