@@ -139,7 +139,8 @@ fi
 if [[ $WHAT == vllm ]]; then
   # issue 38: vLLM's own GPU runner, offload vs plain (tests/gpu/test_vllm_gpu.py)
   stage "vLLM on the GPU, offload vs plain"
-  timeout "${VLLM_TIMEOUT:-560}" python3 -m pytest tests/gpu/test_vllm_gpu.py -v -rs \
+  # SIGINT at the limit: pytest still prints every failure and its summary
+  timeout -s INT -k 30 "${VLLM_TIMEOUT:-560}" python3 -m pytest tests/gpu/test_vllm_gpu.py -v -rs \
     -p no:cacheprovider --durations=0 ${VLLM_ARGS:-} 2>&1 | tee "$OUT/vllm_pytest.txt"
 fi
 if [[ $WHAT == bench-vllm ]]; then
@@ -153,7 +154,7 @@ if [[ $WHAT == serve ]]; then
   # actor SIGKILLed, the replica replaced (tests/gpu/test_serve_gpu.py); `serve run`'s own
   # output in $OUT/serve_run.log
   stage "Ray Serve on the GPU, offload actor killed"
-  RAY_PLE_GPU_SERVE_LOG="$OUT/serve_run.log" timeout "${SERVE_TIMEOUT:-560}" \
+  RAY_PLE_GPU_SERVE_LOG="$OUT/serve_run.log" timeout -s INT -k 30 "${SERVE_TIMEOUT:-560}" \
     python3 -m pytest tests/gpu/test_serve_gpu.py -v -rs -p no:cacheprovider --durations=0 \
     2>&1 | tee "$OUT/serve_pytest.txt"
 fi

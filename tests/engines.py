@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,10 +33,12 @@ def run_job(address: str, job: dict, module: str = "tests.engine_job",
 
 def start_job(address: str, job: dict, module: str = "tests.engine_job",
               env: dict | None = None) -> subprocess.Popen:
-    """An engine run started in its own process (several engines can share a GPU)."""
+    """An engine run started in its own process group (several engines can share a GPU; the
+    group is what `finish_jobs` ends: the run and vLLM's engine processes under it)."""
     return subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
                             env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
 
 
 def finish_jobs(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]:
@@ -50,9 +54,9 @@ def finish_jobs(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[d
         return results
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what is left of a run that failed
+            proc.wait(10)
 
 
 def run_jobs(address: str, jobs: list[dict], module: str = "tests.engine_job",
