@@ -1,10 +1,11 @@
 """The replica's reaper removes what a killed process tree left on the node, and only that.
 
-A real tree (a root and its child, as a replica and its engine core) makes what vLLM's
-processes make: a `multiprocessing.shared_memory` segment (`psm_*`), a `multiprocessing`
-semaphore (`sem.mp-*`), a bound ZMQ-style `ipc://` socket file, a held-open `vllm_dist_*`
-rendezvous file and a `pymp-*` folder; then the whole tree is SIGKILLed, so nothing of its
-own cleanup runs. The reaper, started as the server starts it, leaves none of them, keeps a
+A real tree (a root and its child, as a replica and its engine core, the root's temp dir a
+folder of its own as `replica_tmpdir` makes it) makes what vLLM's processes make: a
+`multiprocessing.shared_memory` segment (`psm_*`), a `multiprocessing` semaphore
+(`sem.mp-*`), a bound ZMQ-style `ipc://` socket file, a `vllm_dist_*` rendezvous file and a
+`pymp-*` folder in the temp dir; then the whole tree is SIGKILLed, so nothing of its own
+cleanup runs. The reaper, started as the server starts it, leaves none of them, keeps a
 segment another live process still maps, and exits.
 """
 
@@ -30,10 +31,10 @@ seg = shared_memory.SharedMemory(create=True, size=1 << 16)
 lock = multiprocessing.get_context("spawn").Lock()   # sem.mp-* in /dev/shm
 ipc = os.path.join(tempfile.gettempdir(), f"ray-ple-test-ipc-{os.getpid()}")
 sock = socket.socket(socket.AF_UNIX); sock.bind(ipc); sock.listen()
-dist = open(os.path.join(tempfile.gettempdir(), f"vllm_dist_test{os.getpid()}"), "w")
+open(os.path.join(tempfile.gettempdir(), f"vllm_dist_test{os.getpid()}"), "w").close()
 pymp = util.get_temp_dir()
-print(json.dumps({"psm": "/dev/shm/" + seg.name.lstrip("/"), "ipc": ipc, "dist": dist.name,
-                  "pymp": pymp, "pid": os.getpid()}), flush=True)
+print(json.dumps({"psm": "/dev/shm/" + seg.name.lstrip("/"), "ipc": ipc,
+                  "pymp": pymp, "tmp": tempfile.gettempdir()}), flush=True)
 time.sleep(600)
 """
 ROOT = r"""
@@ -53,9 +54,11 @@ def test_a_killed_tree_leaves_nothing_and_a_live_holder_keeps_its_segment(tmp_pa
     sems_before = _sems()
     out = (tmp_path / "out").open("w+")
     go = tmp_path / "go"
+    replica_tmp = tmp_path / "replica-tmp"
+    replica_tmp.mkdir()
     root = subprocess.Popen([sys.executable, "-c", ROOT, CHILD, str(go)], stdout=out,
-                            start_new_session=True)
-    start_reaper(root.pid, "test")
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(replica_tmp)})
+    start_reaper(root.pid, "test", str(replica_tmp))
     reaper = _wait_for_reaper(root.pid)
     go.touch()
     deadline = time.monotonic() + 60
@@ -71,7 +74,8 @@ def test_a_killed_tree_leaves_nothing_and_a_live_holder_keeps_its_segment(tmp_pa
     root.wait(10)
     try:
         reaper.wait(30)
-        paths = [left["ipc"], left["dist"], left["pymp"]] + [f"/dev/shm/{s}" for s in new_sems]
+        assert left["tmp"] == str(replica_tmp) and left["pymp"].startswith(left["tmp"])
+        paths = [left["ipc"], left["pymp"], str(replica_tmp)] + [f"/dev/shm/{s}" for s in new_sems]
         assert [p for p in paths if os.path.lexists(p)] == []
         assert os.path.exists(left["psm"]), "a segment a live process maps is kept"
     finally:
@@ -79,15 +83,22 @@ def test_a_killed_tree_leaves_nothing_and_a_live_holder_keeps_its_segment(tmp_pa
         shared.unlink()
 
 
-def test_the_reaper_exits_with_the_tree_and_holds_no_folder():
+def test_the_reaper_exits_with_the_tree_and_holds_no_folder(tmp_path):
+    """An orphan in /; a temp folder a live process still works in is kept."""
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], cwd=busy)
     root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    start_reaper(root.pid, "test")
+    start_reaper(root.pid, "test", str(busy))
     reaper = _wait_for_reaper(root.pid)
     assert reaper.cwd() == "/" and reaper.ppid() != os.getpid(), "an orphan, in /"
     root.kill()
     root.wait(10)
     reaper.wait(15)
     assert not reaper.is_running()
+    assert busy.is_dir(), "a folder a live process works in is kept"
+    holder.kill()
+    holder.wait(10)
 
 
 def _wait_for_reaper(root: int) -> psutil.Process:

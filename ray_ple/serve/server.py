@@ -28,7 +28,7 @@ from ray_ple.offload.actor import PairStatus
 from ray_ple.protocol.handles import EngineAttached, EngineHandles
 from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.supervision.engine_leftovers import files_of, remove_unused, shm_files_of
-from ray_ple.supervision.reaper import start_reaper
+from ray_ple.supervision.reaper import replica_tmpdir, start_reaper
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, Verdict
 from ray_ple.tiny_model import resolve
 
@@ -57,7 +57,9 @@ class PleLLMServer(LLMServer):
             raise PleError(f"{plan.model_source} resolves to another checkpoint on this node")
         ctx = ray.get_runtime_context()
         tag = _replica_tag()
-        start_reaper(os.getpid(), tag)  # removes what this replica leaves, however it ends
+        # what this replica's processes leave is removed however it ends: its temp files in
+        # a folder of its own, its /dev/shm names by inventory (supervision/reaper.py)
+        start_reaper(os.getpid(), tag, replica_tmpdir())
         spec = SupervisorSpec(tag=tag, ple=plan.ple, geometry=plan.geometry,
                               sources=plan.sources, world_size=plan.world_size,
                               replica_pid=os.getpid())

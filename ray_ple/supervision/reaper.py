@@ -3,15 +3,18 @@ remove what its processes left on the node.
 
 However a replica ends (Ctrl-C or SIGTERM to `serve run`, `serve shutdown`, a redeploy, a
 verdict, SIGKILL of the replica, `ray stop`), Ray may stop its raylet first, and then no
-destructor and no supervisor of the replica runs. The reaper is started by the replica
-(`start_reaper`) as an orphan in its own session, so Ray's process-tree kills do not reach it.
-While any process of the replica's tree runs, it takes their inventory every second: what
-they map or hold open in /dev/shm (vLLM's message queues `psm_*`, `multiprocessing`
-semaphores `sem.mp-*`), the socket files they have bound (vLLM's ZMQ `ipc://` endpoints), and
-vLLM's `vllm_dist_*` rendezvous files they hold open. It also notes `multiprocessing`'s
-`pymp-*` folders that appear in the temp dir while the replica runs. Once every process of the
-tree is gone it removes each of those that still exists, belongs to this uid and that no live
-process on the node maps, holds open, has bound or works in; then it exits.
+destructor and no supervisor of the replica runs. So the replica makes, before its engine
+starts, a temp folder of its own (`replica_tmpdir`) and points `TMPDIR` and `tempfile` there:
+what vLLM and `multiprocessing` put in the temp dir (ZMQ `ipc://` socket files, the
+`vllm_dist_*` rendezvous file, `pymp-*` folders) lands in it, and belongs to this replica by
+where it is. torch's compile cache keeps its usual place (`TORCHINDUCTOR_CACHE_DIR`).
+Then it starts the reaper (`start_reaper`) as an orphan in its own session, out of reach of
+Ray's process-tree kills. While any process of the replica's tree runs, the reaper takes
+their inventory every second: what they map or hold open in /dev/shm (vLLM's message queues
+`psm_*`, `multiprocessing` semaphores `sem.mp-*`) and the socket files they have bound. Once
+every process of the tree is gone it removes each of those that still exists, belongs to this
+uid and that no live process maps, holds open or has bound, and the replica's temp folder
+unless a live process works or holds a file in it; then it exits.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 
 import psutil
 
@@ -31,84 +33,50 @@ from ray_ple.log import log_event
 from ray_ple.supervision.engine_leftovers import files_of, remove_unused
 
 POLL_S = 1.0
-TMP_FILES = ("vllm_dist_",)  # temp-dir files vLLM's processes hold open while they run
-TMP_DIRS = ("pymp-",)  # temp-dir folders `multiprocessing` makes (and removes at a clean exit)
 
 
-def start_reaper(root: int, tag: str) -> None:
-    """Start the reaper of the process tree under `root` (this replica): an orphan in its own
-    session (the shell that starts it exits at once), its lines in this process's log."""
-    cmd = f"{sys.executable} -m ray_ple.supervision.reaper --root {root} --tag {tag} &"
-    subprocess.run(["sh", "-c", cmd], start_new_session=True, check=True, timeout=30,
-                   stdin=subprocess.DEVNULL)
+def replica_tmpdir() -> str:
+    """A new temp folder of this replica (0700), made the temp dir of this process and of the
+    processes it starts; torch's compile cache stays where it was."""
+    base = tempfile.gettempdir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(base, f"torchinductor_{_user()}"))
+    path = tempfile.mkdtemp(prefix="ray-ple-replica-", dir=base)
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+    return path
 
 
-def _open_tmp_files(pids: Iterable[int]) -> set[str]:
-    """Temp-dir files of `TMP_FILES` these processes hold open."""
-    tmp = tempfile.gettempdir().rstrip("/") + "/"
-    found = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(tmp) and os.path.basename(target).startswith(TMP_FILES):
-                found.add(target)
-    return found
+def _user() -> str:
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no name for this uid: torch uses the same fallback
+        return str(os.getuid())
 
 
-def _tmp_dirs() -> dict[str, float]:
-    """`TMP_DIRS` folders in the temp dir of this uid, by path -> change time."""
-    out = {}
-    with os.scandir(tempfile.gettempdir()) as it:
-        for e in it:
-            try:
-                if (e.name.startswith(TMP_DIRS) and e.is_dir(follow_symlinks=False)
-                        and e.stat(follow_symlinks=False).st_uid == os.getuid()):
-                    out[e.path] = e.stat(follow_symlinks=False).st_ctime
-            except OSError:
-                continue
-    return out
+def start_reaper(root: int, tag: str, tmpdir: str | None = None) -> None:
+    """Start the reaper of the process tree under `root` (this replica) and of its temp
+    folder: an orphan in its own session (the shell that starts it exits at once), its lines
+    in this process's log."""
+    cmd = [sys.executable, "-m", "ray_ple.supervision.reaper", "--root", str(root),
+           "--tag", tag] + (["--tmpdir", tmpdir] if tmpdir else [])
+    subprocess.run(["sh", "-c", '"$@" &', "reaper", *cmd], start_new_session=True, check=True,
+                   timeout=30, stdin=subprocess.DEVNULL)
 
 
-def _used_under(paths: set[str]) -> set[str]:
-    """Of folders `paths`, those some live process works in or holds a file under."""
-    used = set()
+def _used_under(folder: str) -> bool:
+    """Does a live process work in `folder` or hold a file under it?"""
     for pid in (int(e.name) for e in os.scandir("/proc") if e.name.isdigit()):
         try:
             names = [os.readlink(f"/proc/{pid}/cwd")]
             names += [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         except OSError:
             continue
-        for name in names:
-            for p in paths:
-                if name == p or name.startswith(p + "/"):
-                    used.add(p)
-    return used
-
-
-def _remove_tmp(files: set[str], dirs: set[str]) -> list[str]:
-    """Unlink the rendezvous files nobody holds and remove the folders nobody uses (this uid's
-    only)."""
-    removed = []
-    held = _open_tmp_files(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
-    for f in sorted(files - held):
-        try:
-            if os.lstat(f).st_uid == os.getuid():
-                os.unlink(f)
-                removed.append(f)
-        except OSError:
-            continue
-    for d in sorted(dirs - _used_under(dirs)):
-        if os.path.isdir(d) and os.lstat(d).st_uid == os.getuid():
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+        if any(n == folder or n.startswith(folder + "/") for n in names):
+            return True
+    return False
 
 
 class Tree:
@@ -129,7 +97,7 @@ class Tree:
     def refresh(self) -> list[int]:
         """Pids of the tree still running (children found since are added)."""
         root = self.procs.get(self._root)
-        if root is not None and root.is_running():
+        if root is not None and _running(root):
             try:
                 for child in root.children(recursive=True):
                     self._add(child.pid)
@@ -145,21 +113,20 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def reap(root: int, tag: str, poll_s: float = POLL_S) -> list[str]:
+def reap(root: int, tag: str, tmpdir: str | None = None, poll_s: float = POLL_S) -> list[str]:
     """Watch the tree under `root` until it is gone, then remove what it left."""
-    started = time.time()
-    before = set(_tmp_dirs())
     tree = Tree(root)
     inventory: set[str] = set()
-    tmp_files: set[str] = set()
-    log_event("reaper_started", replica=tag, root=root)
+    log_event("reaper_started", replica=tag, root=root, tmpdir=tmpdir)
     while running := tree.refresh():
         inventory |= files_of(running)
-        tmp_files |= _open_tmp_files(running)
         inventory = {p for p in inventory if os.path.lexists(p)}
         time.sleep(poll_s)
-    dirs = {d for d, ctime in _tmp_dirs().items() if d not in before and ctime >= started - 1}
-    removed = remove_unused(inventory) + _remove_tmp(tmp_files, dirs)
+    removed = remove_unused(inventory)
+    if (tmpdir and os.path.isdir(tmpdir) and os.lstat(tmpdir).st_uid == os.getuid()
+            and not _used_under(tmpdir)):
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        removed.append(tmpdir)
     log_event("reaper_done", replica=tag, root=root, pids=sorted(tree.procs), removed=removed)
     return removed
 
@@ -168,9 +135,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=int, required=True)
     ap.add_argument("--tag", required=True)
+    ap.add_argument("--tmpdir")
     args = ap.parse_args()
     os.chdir("/")  # the reaper keeps no folder in use
-    reap(args.root, args.tag)
+    reap(args.root, args.tag, args.tmpdir)
 
 
 if __name__ == "__main__":
