@@ -1,9 +1,10 @@
 """Nothing is left on the node however a service stops: real signals and commands, real
 `serve run`, and /dev/shm and the temp dir compared before and after.
 
-What a replica's processes make on the node (vLLM's `psm_*` message queues, `multiprocessing`
-`sem.mp-*` semaphores and `pymp-*` folders, ZMQ `ipc://` socket files, `vllm_dist_*`
-rendezvous files, ray-ple's own names) must be gone within 30 s of each stop: SIGKILL of the
+What a replica's processes make on the node (vLLM's `psm_*` message queues and
+`multiprocessing`'s `sem.mp-*` semaphores in /dev/shm; ZMQ `ipc://` socket files, the
+`vllm_dist_*` rendezvous file and `pymp-*` folders in the replica's own temp folder,
+`ray-ple-replica-*`; ray-ple's own names) must be gone within 30 s of each stop: SIGKILL of the
 replica (Serve replaces it), a redeploy with a changed config (`serve deploy`: Serve replaces
 the replica), `serve shutdown`, then Ctrl-C of `serve run`; and, in a second run, SIGTERM to
 `serve run` (the replica's destructor and supervisor never run then: Ray stops first). Each
@@ -33,8 +34,9 @@ pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("RAY_PLE_STOP_ROUNDS", "1"))
 MODEL = "tiny-gemma4"
 GONE_S = 30
-# what a replica's processes make in /dev/shm and the temp dir (top-level names)
-REPLICA_MADE = re.compile(r"^(psm_|sem\.mp-|pymp-|vllm_dist_|ray-ple-|[0-9a-f-]{36}$)")
+# what a replica's processes make in /dev/shm and the temp dir (top-level names; the temp
+# files of its processes are in its own `ray-ple-replica-*` folder)
+REPLICA_MADE = re.compile(r"^(psm_|sem\.mp-|ray-ple-|[0-9a-f-]{36}$)")
 TMP = tempfile.gettempdir()
 
 
