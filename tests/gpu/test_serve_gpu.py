@@ -23,7 +23,6 @@ elsewhere it is skipped with the reason.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -39,24 +38,11 @@ import pytest
 import requests
 import yaml
 
+from tests.faultrig import alive
+from tests.gpu.vllm_cuda import needs_vllm_cuda
 from tests.serving import BASE, REPO, ServeRun, complete, load_config
 
-
-def _vllm_cuda() -> bool:
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda()
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
-    not _vllm_cuda(), reason="needs a CUDA GPU and vLLM's CUDA build; "
-    "scripts/gpu_device_run.sh serve runs this module on the GPU machine")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_vllm_cuda("serve")]
 
 GEOMETRY = "gemma-4-E4B"
 CHECKPOINT = Path(os.environ.get("RAY_PLE_GPU_GEOMETRY_DIR",
@@ -212,17 +198,6 @@ def _tree(run: ServeRun, needle: str) -> list[int]:
     return sorted(pids)
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def _wait(what: str, run: ServeRun, probe, timeout: float, poll: float = 1.0,  # noqa: ANN001
           watch: LogWatch | None = None):
     """`probe()`'s first true value within `timeout`; `serve run` must stay up meanwhile."""
@@ -332,7 +307,7 @@ def test_serve_run_on_the_gpu_replaces_a_replica_whose_offload_actor_is_killed(
         offload_logged = [e["pid"] for e in _logged(run, "offload_ready")]
         assert offload_logged == [old_offload], (offload_logged, old_offload)
         old = sorted({first["pid"], *first["worker_pids"], old_offload})
-        assert _alive(old) == old, "the serving replica's processes"
+        assert alive(old) == old, "the serving replica's processes"
         progress("offload_actor", pid=old_offload, replica_processes=old)
 
         # -- SIGKILL the offload actor mid-stream: what came back is a prefix of the tokens
@@ -382,10 +357,10 @@ def test_serve_run_on_the_gpu_replaces_a_replica_whose_offload_actor_is_killed(
         _wait("the new offload actor's offload_ready", run,
               lambda: new_offload in [e["pid"] for e in _logged(run, "offload_ready")], 30,
               watch=watch)
-        _wait("the old replica's processes gone", run, lambda: not _alive(old), 30, poll=0.5,
+        _wait("the old replica's processes gone", run, lambda: not alive(old), 30, poll=0.5,
               watch=watch)
         progress("replaced", offload_pid=new_offload, old_offload_pid=old_offload,
-                 old_left=_alive(old))
+                 old_left=alive(old))
 
         # -- the same prompts, the same tokens
         after = [again0] + [_tokens(p) for p in PROMPTS[1:]]

@@ -15,29 +15,14 @@ summary kept under `bench/cuda/results/`); elsewhere every test is skipped with 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
 from tests.engines import finish_jobs, local_cluster, start_job
+from tests.gpu.vllm_cuda import needs_vllm_cuda
 
-
-def _vllm_cuda() -> bool:
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda()
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
-    not _vllm_cuda(), reason="needs a CUDA GPU and vLLM's CUDA build; "
-    "scripts/gpu_device_run.sh vllm runs this module on the GPU machine")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_vllm_cuda("vllm")]
 
 # a fixed KV cache per engine: several engines profile at once on one GPU
 GPU = {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 256 << 20}
