@@ -17,5 +17,5 @@ per event), `base` (the frozen model every boundary uses), `engine_plan` (checkp
 vLLM) and `table_source` (to the offload actor), `offline` (`vllm.LLM` with its offload
 actors), `tiny_model` (the embedded default checkpoint). Imports run one way: protocol <-
 offload, worker <- supervision <- serve; tools load the rest lazily (tests/test_layout.py
-enforces it; README.md's map lists every file).
+enforces it; docs/layout.md's map lists every file).
 """

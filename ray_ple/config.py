@@ -35,16 +35,20 @@ class PleDeadlines(Frozen):
 
     model_config = _STRICT
     startup_s: float = Field(900.0, ge=0.1, le=_DAY_S,
-                             description="table load + engine start + capture")
+                             description="table load + engine start + graph capture")
     step_s: float = Field(60.0, ge=0.01, le=_HOUR_S,
-                          description="a posted step must be released in time")
+                          description="a posted step is released within this (plus "
+                          "step_token_s a token), or the replica ends")
     step_token_s: float = Field(0.02, ge=0, le=1.0,
-                                description="added to step_s per token of the step: a "
-                                "long prefill on a slow CPU engine is not a stuck step")
+                                description="added to step_s per token of the step, so a "
+                                "long prefill on a slow CPU engine is not a stuck step: an "
+                                "8,192-token prefill has 224 s, a decode step 60")
     offload_wait_s: float = Field(10.0, ge=0.01, le=_HOUR_S,
-                                  description="offload actor waits for flag == 0")
+                                  description="the offload actor's longest wait for the "
+                                  "worker to release a slot")
     heartbeat_s: float = Field(5.0, ge=0.01, le=_HOUR_S,
-                               description="a side whose heartbeat is older is dead")
+                               description="a side whose heartbeat is older is dead (the "
+                               "supervisor's intervals are at most half of it)")
 
 
 class SupervisorConfig(Frozen):
@@ -62,12 +66,15 @@ class PleConfig(Frozen):
     """Per-deployment PLE offload settings (the `ple:` block)."""
 
     model_config = _STRICT
-    enabled: bool = True
+    enabled: bool = Field(True, description="false serves the same model unoffloaded, the "
+                          "table on the accelerator (the reference, and the way to serve what "
+                          "the offload refuses)")
     transport: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: cuda where the engine has GPUs, else cpu"
+        "auto", description="cpu (vLLM-CPU engines) or cuda (GPU engines); auto: cuda where "
+        "the engine has GPUs, else cpu"
     )
     post: Literal["auto", "host", "stream"] = Field(
-        "auto", description="advanced (benchmarks compare the two): who posts a step: the "
+        "auto", description="advanced: who posts a step (benchmarks compare the two): the "
         "host before the forward (needs the ids on the host, so vLLM's async scheduling is "
         "turned off on CUDA), or the GPU stream itself "
         "(a kernel before the forward reads the model's input ids; the host never waits and "
@@ -76,8 +83,10 @@ class PleConfig(Frozen):
         "(its default), host otherwise (a synchronous engine would pay the stream post's host "
         "time before each launch)"
     )
-    offload_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per offload actor")
-    gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers with")
+    offload_num_cpus: float = Field(1.0, ge=0, description="CPUs each offload actor reserves, "
+                                    "added to its worker's bundle")
+    gather_threads: int = Field(1, ge=1, le=64, description="threads an offload actor gathers "
+                                "a large step with")
     parts: (Annotated[int, Field(ge=1, le=128)] | Literal["auto"]
             | Annotated[tuple[Annotated[int, Field(ge=1)], ...],
                         Field(min_length=1, max_length=128)]) = Field(
@@ -85,13 +94,14 @@ class PleConfig(Frozen):
         "flag, waited for at its first layer (late waits), covering the offloaded layers (the "
         "model's, less `resident_layers`): n parts as even as can be, or (advanced) a list of "
         "layers per part in order (adding up to the offloaded layers); auto: one part up to 6 "
-        "layers, above parts of 1, 2, 4, ... layers and the rest; 1: all of them at once"
+        "layers, above parts of 1, 2, 4, ... layers and the rest (E4B: 1, 2, 4, 8 and 26 "
+        "layers on cuda, 27 last on cpu); 1: all of them at once"
     )
     resident_layers: Annotated[int, Field(ge=0, le=128)] | Literal["auto"] = Field(
         "auto", description="first layers whose PLE columns the worker keeps in its own "
         "(device) memory, looked up there as vLLM looks up its table and never posted, so no "
-        "gather, copy or wait is on layer 0's gate (E4B: 134 MB of the 5.6 GB table a "
-        "layer); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
+        "gather, copy or wait is on layer 0's gate (E4B: 134 MB a layer, of the 5.25 GiB "
+        "table); the rest of the row is offloaded in `parts`. Gemma 4 only (late waits). "
         "auto: 1 on the cuda transport (decode steps then never wait for the first part: "
         "bench/README.md, layer 0 resident), 0 on cpu, for Gemma 3n and for a one-layer model"
     )
@@ -100,24 +110,25 @@ class PleConfig(Frozen):
         "`posted` before it blocks on the doorbell (GPU decode latency; costs a core while it "
         "spins)"
     )
-    shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table copy")
+    shm_dir: str = Field("/dev/shm", description="tmpfs for the slots and the node's table "
+                         "copy; its free space is checked at setup")
     huge_pages: HugePages = Field(
         "auto", description="the node table (a 4 KiB header page + the rows, rounded up to "
         "whole pages) on the host's hugetlb pool (2 MiB pages: a pod's hugepages-2Mi, or "
         "vm.nr_hugepages): auto where the pool holds it, else 4 KiB shmem pages; off: 4 KiB "
         "pages; require: a pool too small is one error at setup. The holder that loads the "
-        "node's copy decides; later holders map that copy as it is (require refuses 4 KiB)"
+        "node's copy decides; later holders map that copy as it is (require refuses 4 KiB). "
+        "Random rows then cost fewer page walks (bench/cpu/probe_hugetlb.py)"
     )
     table_tensor: str | None = Field(
         None, description="checkpoint tensor of the PLE table; found by name when unset"
     )
     max_tokens: int | None = Field(
-        None, gt=0, le=MAX_TOKENS, description="slot rows; defaults to the engine's "
-        "max_num_batched_tokens"
+        None, gt=0, le=MAX_TOKENS, description="slot rows, the most tokens a step may have; "
+        "unset: the engine's max_num_batched_tokens (8192 when that is unset too)"
     )
     deadlines: PleDeadlines = PleDeadlines()
-    supervisor: SupervisorConfig = Field(SupervisorConfig(), description="advanced: see "
-                                         "`SupervisorConfig`")
+    supervisor: SupervisorConfig = SupervisorConfig()
 
     @field_validator("parts", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""bench/README.md is the index of the README's figures: every script and results folder it
+"""bench/README.md is the index of the figures the docs state: every script and results folder it
 names exists, every results folder in the tree is one it names (results behind no figure go
 to git history), and run names stay in results folders, out of the code and the README."""
 import re

@@ -96,9 +96,9 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
 
 
 def readme_map(text: str) -> set[str]:
-    """The files the README's map ("Where things are") names, as paths from the root: each
+    """The files the map (docs/layout.md, "The package") names, as paths from the root: each
     row's folder joined with every `name.py` of its other cells."""
-    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## The package", 1)[1].split("\n## ", 1)[0]
     named = set()
     for row in section.splitlines():
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
@@ -118,14 +118,14 @@ def map_mismatch(text: str) -> tuple[list[str], list[str]]:
             sorted(named - on_disk))
 
 
-def test_the_readme_map_names_every_file_and_no_other():
-    missing, absent = map_mismatch((ROOT / "README.md").read_text())
+def test_the_map_names_every_file_and_no_other():
+    missing, absent = map_mismatch((ROOT / "docs" / "layout.md").read_text())
     assert (missing, absent) == ([], []), f"not in the map: {missing}; no such file: {absent}"
 
 
 def test_the_map_check_catches_a_file_left_out_and_a_file_gone(tmp_path):
     """The checker itself can fail: a new module the map omits, a name with no file."""
-    text = (ROOT / "README.md").read_text().replace(
+    text = (ROOT / "docs" / "layout.md").read_text().replace(
         "`fatal.py` (`Reason`, the one way down)", "`fatal.py`, `gone.py`")
     fake = PKG / "protocol" / "_map_probe.py"
     fake.write_text("")

@@ -10,8 +10,9 @@ tokens change, the text request's do not until it reads row 0 itself); every for
 transaction. Served: `serve run` of both tiny media configs beside the same models
 unoffloaded; image, text, and video (Gemma 4) or audio (Gemma 3n) requests through the
 OpenAI chat API get the same tokens from both (eager engines: four compiled engines do not
-start in time on a 2-core machine; the compiled served path is tests/test_serve.py's). An engine whose media positions posted their own ids, not id 0, reads other
-rows there (Gemma 4) and fails both.
+start in time on a 2-core machine; the compiled served path is tests/test_serve.py's). An
+engine whose media positions posted their own ids, not id 0, reads other rows there (Gemma 4)
+and fails both.
 """
 
 from __future__ import annotations
