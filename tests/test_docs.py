@@ -1,5 +1,6 @@
-"""The docs say what the code does now: the `ple:` tables are generated from `PleConfig`, and
-every repository path, relative link and `ple.` option the front docs name exists."""
+"""The docs say what the code does now: the `ple:` tables are generated from `PleConfig` and
+the served table from `protocol/support.py`, and every repository path, relative link and
+`ple.` option the front docs name exists."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.config_table import DOC, render, rows
+from scripts.doc_tables import DOCS, render, rows
 
 ROOT = Path(__file__).resolve().parent.parent
 # the pages a user reads (history.md and mutation.md record past states; results are runs)
@@ -34,19 +35,29 @@ def named(pattern: re.Pattern[str], text: str) -> list[str]:
     return [m[1] for m in pattern.finditer(text) if text[m.end():m.end() + 1] not in "{<"]
 
 
-def test_the_ple_tables_are_generated_from_ple_config() -> None:
-    text = DOC.read_text()
-    assert render(text) == text, "run: python scripts/config_table.py --write"
+@pytest.mark.parametrize("doc", sorted(set(DOCS.values())), ids=lambda p: p.name)
+def test_the_generated_tables_are_current(doc: Path) -> None:
+    text = doc.read_text()
+    assert render(doc, text) == text, "run: python scripts/doc_tables.py --write"
+
+
+def test_every_ple_key_and_every_architecture_has_its_row() -> None:
+    from ray_ple.protocol.geometry import ARCHITECTURES
+
+    config, models = DOCS["main"].read_text(), DOCS["support"].read_text()
     for key in keys() - {"deadlines", "supervisor"}:
-        assert f"| `{key}` |" in text, key
+        assert f"| `{key}` |" in config, key
+    for arch in ARCHITECTURES:
+        assert f"| `{arch}` | text" in models, arch
 
 
 def test_a_stale_table_is_found() -> None:
     """The check can fail: a row removed, or a description changed by hand."""
-    text = DOC.read_text()
+    doc = DOCS["main"]
+    text = doc.read_text()
     row = next(ln for ln in text.splitlines() if ln.startswith("| `shm_dir` |"))
     for stale in (text.replace(row + "\n", ""), text.replace(row, row.replace("tmpfs", "a"))):
-        assert stale != text and render(stale) == text != stale
+        assert stale != text and render(doc, stale) == text
 
 
 @pytest.mark.parametrize("page", FRONT, ids=[str(p.relative_to(ROOT)) for p in FRONT])

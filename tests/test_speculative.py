@@ -181,7 +181,7 @@ def test_slots_smaller_than_the_scheduled_tokens_with_draft_slots_are_refused():
 
 def test_the_worker_refuses_what_vllm_resolved_to_a_drafter_it_cannot_serve():
     """The worker's own check, on vLLM's resolved config (past the build-time check)."""
-    from ray_ple.worker.vllm_plugin.attach import check_speculation
+    from ray_ple.protocol.support import check_resolved_speculation
 
     def resolved(method: str, model_type: str, ple_dim: int = 0) -> SimpleNamespace:
         text = SimpleNamespace(hidden_size_per_layer_input=ple_dim,
@@ -189,13 +189,13 @@ def test_the_worker_refuses_what_vllm_resolved_to_a_drafter_it_cannot_serve():
         hf = SimpleNamespace(model_type=model_type, text_config=text)
         return SimpleNamespace(method=method, draft_model_config=SimpleNamespace(hf_config=hf))
 
-    check_speculation(None)
-    check_speculation(resolved("ngram", "gemma4_text", 16))
-    check_speculation(resolved("mtp", "gemma4_mtp"))
+    check_resolved_speculation(None)
+    check_resolved_speculation(resolved("ngram", "gemma4_text", 16))
+    check_resolved_speculation(resolved("mtp", "gemma4_mtp"))
     for bad in (resolved("mtp", "gemma4_mtp", 16), resolved("eagle", "llama"),
                 resolved("draft_model", "gemma4_text", 16), resolved("ngram_gpu", "gemma4")):
         with pytest.raises(PleConfigError, match="not served with PLE offload"):
-            check_speculation(bad)
+            check_resolved_speculation(bad)
 
 
 if __name__ == "__main__":
