@@ -217,7 +217,7 @@ def test_a_spinning_offload_side_serves_back_to_back_steps_then_sleeps(ckpt, tmp
     wproc, wconn = start_worker(handle, spec.geometry, steps, table, tmp_path, pause_at=300)
     assert wconn.recv() == ("paused", 300)
     assert time.monotonic() - t0 < 60, "a spin that missed posts would take ~1 s a step"
-    _, published_ns = block.stamps()  # the last step's publish, on this process's clock
+    _, published_ns = block.handoff_times()  # the last step's publish, on this process's clock
     if time.monotonic_ns() - published_ns < spin_s * 0.5e9:  # (unless this test was late)
         assert block.sleeping is False, "spinning after the last step, not asleep"
     while not block.sleeping and time.monotonic_ns() - published_ns < 15e9:

@@ -24,8 +24,7 @@ from ray_ple.log import log_event
 
 if TYPE_CHECKING:
     from ray_ple.protocol.layout import ControlBlock
-
-Cut = Callable[[int, int], bool]  # the seam of ray_ple.protocol.transaction
+    from ray_ple.protocol.transaction import Cut
 
 ENV = "RAY_PLE_FAULTS_FILE"
 

@@ -2,9 +2,9 @@
 
     words    header: magic, layout version, slot count, max_tokens, token, fingerprint;
              then one 64-byte cache line each for state+reason, the two heartbeats,
-             `posted`, `released`, the worker's pid, two time stamps, `sleeping` (the
-             offload side is about to block on its doorbell) and `announced` (the step the
-             worker will post next, ahead of a post the GPU stream writes); then per slot
+             `posted`, `released`, the worker's pid, the last post and publish times,
+             `sleeping` (the offload side is about to block on its doorbell), `announced` (the
+             step the worker will post next, ahead of a post the GPU stream writes); per slot
              a 192-byte block of three cache lines: `flag` (u32), `published` (u64) and
              `stamp` (u64: the step whose rows the slot holds, written after the rows,
              before the flag).
@@ -308,15 +308,16 @@ class ControlBlock:
     def worker_pid(self, v: int) -> None:
         self._worker_pid[0] = v
 
-    def stamp_post(self, now_ns: int) -> None:
+    def set_post_time(self, now_ns: int) -> None:
         """Monotonic time of the last post (hand-off latency metric)."""
         self._post_ns[0] = now_ns
 
-    def stamp_publish(self, now_ns: int) -> None:
+    def set_publish_time(self, now_ns: int) -> None:
         """Monotonic time of the last complete publish."""
         self._publish_ns[0] = now_ns
 
-    def stamps(self) -> tuple[int, int]:
+    def handoff_times(self) -> tuple[int, int]:
+        """(last post, last publish), monotonic ns: the hand-off metric's two ends."""
         return int(self._post_ns[0]), int(self._publish_ns[0])
 
     def counters(self) -> Counters:

@@ -311,7 +311,7 @@ class WorkerEnd:
         else:
             b.ids[:t] = ids
         s += 1
-        b.stamp_post(time.monotonic_ns())
+        b.set_post_time(time.monotonic_ns())
         if cut is None or not cut(self.rank, s):
             b.announced = s
             b.posted = s  # x86-64 TSO: the stores above are visible before this one
@@ -333,7 +333,7 @@ class WorkerEnd:
                               f"announced {s}"))
         t = self._token_count(t)
         s += 1
-        b.stamp_post(time.monotonic_ns())  # the hand-off metric counts from the announcement
+        b.set_post_time(time.monotonic_ns())  # the hand-off metric counts from the announcement
         b.announced = s
         self.step, self.rows, self.phase = s, t, Phase.STEP
         return s
@@ -462,7 +462,7 @@ class OffloadEnd:
                 b.set_stamp(i, step)
                 b.set_published(i, step)
                 flag[0] = 1  # x86-64 TSO: rows, stamp, `published` visible before the flag
-        b.stamp_publish(time.monotonic_ns())
+        b.set_publish_time(time.monotonic_ns())
         self.last = step
 
     def sleep(self, wait: Callable[[], object]) -> None:

@@ -6,7 +6,7 @@ side of a pair records anything for them:
     ple_transactions_total       steps released, per rank (counter deltas: exact)
     ple_handoff_seconds          post -> every part's rows published, of the latest step
                                  when a poll sees `released` advance (the post and publish
-                                 stamps), by rank and token-count bucket: a sample per poll,
+                                 times), by rank and token-count bucket: a sample per poll,
                                  so its `_count` by `tokens` is the steps' mix of token counts
     ple_step_phase_samples_total where a step in flight is when a poll finds one: `rows` of
                                  a part (its rows not yet published: the offload side gathers
@@ -15,10 +15,10 @@ side of a pair records anything for them:
     ple_deadline_misses_total    deadlines missed, by kind
     ple_verdicts_total           replicas ended, by reason
 
-The control block stamps one post time and one publish time per pair, and per part only the
+The control block records one post time and one publish time per pair, and per part only the
 step number its rows hold: the offload side's gather of a part, the worker's wait at a part's
-gate and its copy have no stamp, so they are not exported (a stamp would add work to every
-step); the phase samples say where steps spend their time instead.
+gate and its copy have no time of their own, so they are not exported (recording one would
+add work to every step); the phase samples say where steps spend their time instead.
 
 The supervisor is a detached actor on its replica's node: its core worker reports these to
 the node's metrics agent every `RAY_metrics_report_interval_ms` (10 s), and the agent serves

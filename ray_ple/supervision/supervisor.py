@@ -121,7 +121,7 @@ class _Watched:
 
     def read(self) -> ControlBlock:
         """A snapshot; its `stable` says whether the counters are one instant's."""
-        # The latest post's token count, read before the stamps: a post landing between the
+        # The latest post's token count, read before the hand-off times: a post landing between the
         # two reads leaves post_ns past publish_ns (no hand-off sample), unless its rows are
         # published by the second too (then one sample takes the previous step's count).
         count = os.pread(self.fd, 4, self.layout.count_offset)
@@ -304,7 +304,7 @@ class Supervisor:
             raise _Problem.of(f, handle, c.posted)
         if c.released > w.last.released:
             metrics.transactions(self.spec.tag, handle.rank, c.released - w.last.released)
-            post_ns, publish_ns = b.stamps()
+            post_ns, publish_ns = b.handoff_times()
             if publish_ns >= post_ns > 0:
                 metrics.handoff(self.spec.tag, handle.rank, w.tokens,
                                 (publish_ns - post_ns) / 1e9)

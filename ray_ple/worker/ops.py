@@ -68,12 +68,12 @@ def _pull_fake(out: torch.Tensor, slot: str) -> None:
 def _pull_async(out: torch.Tensor, slot: str) -> None:
     if _piecewise() and torch.cuda.is_current_stream_capturing():
         return  # inside a piece: nothing to start, the join pulls in stream order
-    pair, index = worker_pair.resolve(slot)
+    pair, index = worker_pair.pair_of_slot(slot)
     pair.pull_async(index, out)
 
 
 def _pull_wait(out: torch.Tensor, after: torch.Tensor, slot: str) -> None:
-    pair, index = worker_pair.resolve(slot)
+    pair, index = worker_pair.pair_of_slot(slot)
     if _piecewise() and not pair.transport.started(index):
         pair.pull(index, out)  # its start was captured in a piece and started nothing
     else:  # a join of no started pull is fatal here (the transport's checks)

@@ -184,7 +184,7 @@ def current() -> WorkerPair | None:
     return _PAIR
 
 
-def resolve(slot: str) -> tuple[WorkerPair, int]:
+def pair_of_slot(slot: str) -> tuple[WorkerPair, int]:
     """This process's live pair and the index of the slot named `slot` (the ops' only lookup)."""
     pair = _PAIR
     index = _SLOTS.get(slot)
@@ -194,7 +194,7 @@ def resolve(slot: str) -> tuple[WorkerPair, int]:
 
 
 def pull(slot: str, out) -> None:  # noqa: ANN001 - torch.Tensor
-    pair, index = resolve(slot)
+    pair, index = pair_of_slot(slot)
     pair.pull(index, out)
 
 

@@ -60,18 +60,18 @@ class RayPleGemma3nForCausalLM(Gemma3nForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         check_mirrored("vllm.model_executor.models.gemma3n")
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
-        (layer,) = settings.geometry.tables
+        (table,) = settings.geometry.tables
         text_vllm_config = _text_only(vllm_config)
         text = text_vllm_config.model_config.hf_config
-        if text.num_hidden_layers * text.hidden_size_per_layer_input != layer.row_elems:
+        if text.num_hidden_layers * text.hidden_size_per_layer_input != table.row_elems:
             raise PleConfigError(f"checkpoint rows have {text.num_hidden_layers} x "
                                  f"{text.hidden_size_per_layer_input} values, the offload "
-                                 f"geometry {layer.row_elems}")
-        with without_table(text, layer):
+                                 f"geometry {table.row_elems}")
+        with without_table(text, table):
             super().__init__(vllm_config=text_vllm_config, prefix=prefix)
         # named as the table is, "model.", also inside the media class's `language_model`
         self.model.self_decoder.embed_tokens_per_layer = offload_embedding(
-            layer, "model", vllm_config.model_config.dtype)
+            table, "model", vllm_config.model_config.dtype)
         embed = self.model.embed_tokens.weight
         # As vLLM's Gemma3nForConditionalGeneration: one buffer for the forward's whole life,
         # so that a captured graph reads the step's rows at a fixed address.

@@ -339,22 +339,22 @@ class RayPleGemma4ForCausalLM(Gemma4ForCausalLM):
                 "kv_sharing_fast_prefill is not supported with ray-ple's offloaded PLE: YOCO's "
                 "split forward builds every layer's PLE input before the self-decoder runs")
         settings = PleEngineSettings.from_additional_config(vllm_config.additional_config)
-        (layer,) = settings.geometry.tables
+        (table,) = settings.geometry.tables
         text = _get_text_config(vllm_config.model_config.hf_config)
-        with _model_class(PleOffloadGemma4Model), without_table(text, layer):
+        with _model_class(PleOffloadGemma4Model), without_table(text, table):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         # named inside the text model (the media class nests it under `language_model`)
-        offload = offload_embedding(layer, "model", vllm_config.model_config.dtype)
+        offload = offload_embedding(table, "model", vllm_config.model_config.dtype)
         model = self.model
         model.embed_tokens_per_layer = offload
         model.self_decoder.embed_tokens_per_layer = offload
-        model.vocab_size_per_layer_input = layer.rows
-        model.self_decoder.vocab_size_per_layer_input = layer.rows
+        model.vocab_size_per_layer_input = table.rows
+        model.self_decoder.vocab_size_per_layer_input = table.rows
         attach_worker(vllm_config, settings)
         if not isinstance(model, PleOffloadGemma4Model):
             raise PleModelError(f"expected PleOffloadGemma4Model, vLLM built "
                                 f"{type(model).__name__}")
-        model.set_parts(settings.geometry.slots_of(layer.name),
+        model.set_parts(settings.geometry.slots_of(table.name),
                         settings.geometry.resident_layers)
 
     def load_weights(self, weights: Iterable[Weight]) -> set[str]:
