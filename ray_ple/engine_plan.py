@@ -18,6 +18,7 @@ from ray_ple.protocol.geometry import (
     geometry_from_config,
     read_hf_config,
 )
+from ray_ple.protocol.posting import plan_post, scheduling_kwargs
 from ray_ple.protocol.support import (
     check_drafter,
     check_media,
@@ -89,14 +90,11 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     check_checkpoint(checkpoint_dir)
     if speculation(kw.get("speculative_config")) == "mtp":
         check_drafter(kw["speculative_config"], geometry.architecture)
-    post = ple.post if transport == "cuda" else ("host" if ple.post == "auto" else ple.post)
-    if post == "stream" and transport != "cuda":
-        raise PleConfigError(f"ple.post 'stream' needs the cuda transport (a GPU stream posts "
-                             f"the step), not {transport!r}")
+    asked = media_asked(kw)
+    post = plan_post(ple.post, transport, media=bool(asked))
     arch = ARCHITECTURES[geometry.architecture].offload_arch
-    if asked := media_asked(kw):
-        arch = check_media(geometry.architecture, asked, transport, post)
-        post = "stream" if transport == "cuda" else post  # the GPU's ids: the stream's post
+    if asked:
+        arch = check_media(geometry.architecture, asked, transport)
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
                                  post=post, deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)
@@ -108,11 +106,9 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     kw["hf_overrides"] = hf_overrides
     kw["additional_config"] = {**(kw.get("additional_config") or {}),
                                **settings.additional_config()}
+    kw.update(scheduling_kwargs(post, transport))
     env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     if transport == "cuda":
-        if post == "host":  # the host posts the ids it prepared: it must have them first
-            kw["async_scheduling"] = False
-        # auto: the worker picks once vLLM has resolved async scheduling (`post_for`)
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(i) for i in range(
             int(kw.get("tensor_parallel_size", 1))))
     return OffloadPlan(checkpoint_dir=checkpoint_dir, geometry=geometry, settings=settings,

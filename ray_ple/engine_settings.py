@@ -13,6 +13,7 @@ from ray_ple.base import Frozen
 from ray_ple.config import PleDeadlines
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import PleGeometry
+from ray_ple.protocol.posting import Requested
 
 KEY = "ray_ple"
 
@@ -20,17 +21,9 @@ KEY = "ray_ple"
 class PleEngineSettings(Frozen):
     geometry: PleGeometry
     transport: Literal["cpu", "cuda"]
-    post: Literal["auto", "host", "stream"] = "host"
+    post: Requested = "host"  # as the plan settled it (`protocol/posting.py`)
     deadlines: PleDeadlines = PleDeadlines()
     heartbeat_interval_s: float = 0.25
-
-    def post_for(self, async_scheduling: bool | None) -> Literal["host", "stream"]:
-        """Who posts, once the engine has resolved its scheduling: `auto` takes the stream
-        post where vLLM schedules asynchronously (the host's post time then overlaps the step
-        before; with a synchronous engine it would sit before every launch instead)."""
-        if self.post != "auto":
-            return self.post
-        return "stream" if self.transport == "cuda" and async_scheduling else "host"
 
     def additional_config(self) -> dict[str, Any]:
         return {KEY: self.model_dump(mode="json")}

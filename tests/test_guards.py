@@ -907,7 +907,7 @@ def test_a_pair_refuses_a_post_mode_its_transport_cannot_take():
 
 
 def test_a_pull_for_a_slot_no_pair_of_this_process_serves_is_refused(monkeypatch):
-    """`resolve`: the ops look a slot up by name; no live pair, or a name it does not
+    """`pair_of_slot`: the ops look a slot up by name; no live pair, or a name it does not
     serve, is one `PleHandleError` (never a pull through a pair of None or slot None)."""
     from ray_ple.worker import pair as registry
 
@@ -915,11 +915,11 @@ def test_a_pull_for_a_slot_no_pair_of_this_process_serves_is_refused(monkeypatch
     monkeypatch.setattr(registry, "_SLOTS", {"served": 0})
     for name in ("served", "other"):  # no pair at all: neither is served
         with pytest.raises(PleHandleError, match="serves slot"):
-            registry.resolve(name)
+            registry.pair_of_slot(name)
     monkeypatch.setattr(registry, "_PAIR", object())  # a pair, but not of that slot
     with pytest.raises(PleHandleError, match="serves slot 'other'"):
-        registry.resolve("other")
-    assert registry.resolve("served")[1] == 0
+        registry.pair_of_slot("other")
+    assert registry.pair_of_slot("served")[1] == 0
 
 
 def test_an_engine_without_ray_ples_settings_is_one_config_error():

@@ -15,6 +15,7 @@ import pytest
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
+from ray_ple.protocol.posting import engine_post, plan_post, scheduling_kwargs
 from ray_ple.serve.builder import offload_llm_config, validate_args
 from ray_ple.tiny_model import PRESETS, build
 from tests.serving import load_config
@@ -88,16 +89,44 @@ def test_who_posts_follows_the_transport_and_the_engine_scheduling():
     ckpt = str(build(PRESETS["tiny-gemma4"]))
     auto = plan_offload(ckpt, PleConfig(), {}, "cuda")
     assert auto.settings.post == "auto" and "async_scheduling" not in auto.engine_kwargs
-    assert auto.settings.post_for(True) == "stream"
-    assert auto.settings.post_for(False) == auto.settings.post_for(None) == "host"
+    assert engine_post(auto.settings.post, "cuda", True) == "stream"
+    assert engine_post("auto", "cuda", False) == engine_post("auto", "cuda", None) == "host"
     host = plan_offload(ckpt, PleConfig(post="host"), {"async_scheduling": True}, "cuda")
     assert host.settings.post == "host" and host.engine_kwargs["async_scheduling"] is False
     stream = plan_offload(ckpt, PleConfig(post="stream"), {}, "cuda")
-    assert stream.settings.post_for(False) == "stream", "as configured"
+    assert engine_post(stream.settings.post, "cuda", False) == "stream", "as configured"
     cpu = plan_offload(ckpt, PleConfig(), {}, "cpu")
-    assert cpu.settings.post == "host" and cpu.settings.post_for(True) == "host"
+    assert cpu.settings.post == "host" and engine_post(cpu.settings.post, "cpu", True) == "host"
     with pytest.raises(PleConfigError, match="needs the cuda transport"):
         plan_offload(ckpt, PleConfig(post="stream"), {}, "cpu")
+
+
+@pytest.mark.parametrize(("requested", "transport", "media", "planned"), [
+    ("auto", "cpu", False, "host"), ("host", "cpu", False, "host"),
+    ("stream", "cpu", False, "needs the cuda transport"),
+    ("auto", "cpu", True, "host"), ("stream", "cpu", True, "needs the cuda transport"),
+    ("auto", "cuda", False, "auto"), ("host", "cuda", False, "host"),
+    ("stream", "cuda", False, "stream"), ("auto", "cuda", True, "stream"),
+    ("host", "cuda", True, "not served with media"), ("stream", "cuda", True, "stream")])
+def test_the_post_decision_over_every_request_transport_and_media(requested, transport, media,
+                                                                  planned):
+    """`plan_post` then `engine_post`, each case: what the plan settles, and what the worker
+    settles under either async scheduling (a host post on CUDA never meets it switched on:
+    the plan turns it off, and a worker that finds it on refuses)."""
+    if planned not in ("auto", "host", "stream"):
+        with pytest.raises(PleConfigError, match=planned):
+            plan_post(requested, transport, media)
+        return
+    assert plan_post(requested, transport, media) == planned
+    for async_on in (False, True):
+        if planned == "host" and transport == "cuda" and async_on:
+            assert scheduling_kwargs(planned, transport) == {"async_scheduling": False}
+            with pytest.raises(PleConfigError, match="async scheduling must be off"):
+                engine_post(planned, transport, async_on)
+            continue
+        want = ("stream" if transport == "cuda" and async_on else "host") \
+            if planned == "auto" else planned
+        assert engine_post(planned, transport, async_on) == want
 
 
 def test_env_vars_of_every_user_layer_kept_and_a_conflicting_one_refused():

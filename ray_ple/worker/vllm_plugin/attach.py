@@ -7,6 +7,7 @@ from vllm.config import VllmConfig
 
 from ray_ple.engine_settings import PleEngineSettings
 from ray_ple.errors import PleConfigError
+from ray_ple.protocol.posting import engine_post
 from ray_ple.protocol.support import check_parallelism, check_resolved_speculation
 from ray_ple.worker import pair as worker_pair
 
@@ -25,11 +26,6 @@ def check_engine(vllm_config: VllmConfig, settings: PleEngineSettings) -> None:
             f"max_num_batched_tokens={sched.max_num_batched_tokens} exceeds the PLE slots "
             f"({settings.geometry.max_tokens} tokens)")
     check_parallelism(par.pipeline_parallel_size, par.data_parallel_size)
-    if (settings.transport == "cuda" and settings.post == "host"
-            and sched.async_scheduling):
-        raise PleConfigError("async scheduling must be off with ple.post 'host' on the cuda "
-                             "transport: the worker posts ids from the host copy of the batch "
-                             "(ple.post 'stream' keeps it on)")
     check_resolved_speculation(vllm_config.speculative_config)
 
 
@@ -40,4 +36,5 @@ def attach_worker(vllm_config: VllmConfig, settings: PleEngineSettings) -> worke
     return worker_pair.attach_process(
         settings.geometry, rank=worker_rank(), transport=settings.transport,
         deadlines=settings.deadlines, heartbeat_s=settings.heartbeat_interval_s,
-        post=settings.post_for(vllm_config.scheduler_config.async_scheduling))
+        post=engine_post(settings.post, settings.transport,
+                         vllm_config.scheduler_config.async_scheduling))
