@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ray_ple.checkpoints.source import resolve
 from ray_ple.config import PleConfig, parse_ple
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.handles import PAIRS_ENV, EngineHandles
 from ray_ple.supervision.offload_group import OffloadGroup
-from ray_ple.tiny_model import resolve
 
 
 @contextmanager

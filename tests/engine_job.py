@@ -139,7 +139,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     if "altered_table" in job:  # the same engine over a checkpoint whose PLE rows differ
         import tempfile
 
-        from ray_ple.tiny_model import resolve
+        from ray_ple.checkpoints.source import resolve
 
         with tempfile.TemporaryDirectory() as tmp:
             altered = _altered_copy(resolve(job["model"]), job["altered_table"], tmp)

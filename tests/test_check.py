@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ray_ple.checkpoints.source import SCHEME
 from ray_ple.errors import PleError
 from ray_ple.serve.builder import build_app
-from ray_ple.tiny_model import SCHEME
 from ray_ple.tools.check import main as check
 from tests.media import media_env
 from tests.serving import REPO, load_config

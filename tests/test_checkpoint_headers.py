@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ray_ple.checkpoints.tiny import PRESETS, build
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload, table_sources
 from ray_ple.errors import PleModelError
 from ray_ple.offload.table_file import TableFile, read_header
 from ray_ple.offload.table_store import acquire_table
 from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
-from ray_ple.tiny_model import PRESETS, build
 from ray_ple.tools.check import main as check
 from tests.leftovers import ple_shm_entries
 from tests.serving import load_config

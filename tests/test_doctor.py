@@ -155,7 +155,7 @@ def test_nothing_to_check_says_so_and_does_not_pass():
 def test_the_logged_table_size_is_the_rows_and_the_budget_the_segment(tmp_path):
     """The server logs the rows (`table_bytes` 16384 for the tiny model); the segment holds a
     header page besides: doctor names both, so the FAIL against the rows says why."""
-    from ray_ple.tiny_model import PRESETS, build
+    from ray_ple.checkpoints.tiny import PRESETS, build
 
     ckpt = str(build(PRESETS["tiny-gemma4"]))
     out = subprocess.run([sys.executable, "-m", "ray_ple.tools.cli", "doctor", "--transport",

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from ray_ple.tiny_model import PRESETS, build
+from ray_ple.checkpoints.tiny import PRESETS, build
 from tests.engines import flat, local_cluster, run_job
 from tests.gemma3n_reference import ARCH
 from tests.hf_reference import hf_agrees

@@ -269,8 +269,8 @@ def test_serve_config_v2_args_rejected_without_a_checkpoint(mutate, match):
 
 def test_embedded_model_is_budgeted_with_its_real_geometry():
     """The tiny model's table is sized from its preset; the built checkpoint must agree."""
+    from ray_ple.checkpoints.source import resolve
     from ray_ple.protocol.geometry import geometry_from_config, read_hf_config
-    from ray_ple.tiny_model import resolve
 
     spec = SPECS["rayservice-tiny-cpu.yaml"]
     app = _serve_config(_doc(spec.file))["applications"][0]

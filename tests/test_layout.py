@@ -2,7 +2,7 @@
 
 Layers, lowest first; a module may import its own layer and the ones below, never above:
 
-    base      ray_ple.{base, errors, log, config, tiny_model}
+    base      ray_ple.{base, errors, log, config}, ray_ple.checkpoints.*
     protocol  ray_ple.protocol.*          (imports nothing of ray_ple but base)
     contract  ray_ple.{engine_settings, table_source}   (what the plan hands each side: the
               engine's settings reach the worker, the table's source the offload actor)

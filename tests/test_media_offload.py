@@ -27,10 +27,10 @@ import pytest
 import requests
 import yaml
 
+from ray_ple.checkpoints.tiny import PRESETS, build
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
-from ray_ple.tiny_model import PRESETS, build
 from tests.engines import REPO, local_cluster, run_job
 from tests.media import media_env
 from tests.serving import BASE, ServeRun, audio_part, image_part, load_config, video_part
@@ -87,8 +87,8 @@ def _request(tok: Any, what: str, value: Any) -> dict[str, Any]:
 def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
+    from ray_ple.checkpoints.source import resolve
     from ray_ple.offline import offloaded_llm
-    from ray_ple.tiny_model import resolve
     from tests.engine_job import ENGINE, _altered_copy
 
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ple.tiny_model import MEDIA_TOKENS, PRESETS, build, media_token_ids
+from ray_ple.checkpoints.tiny import MEDIA_TOKENS, PRESETS, build, media_token_ids
 
 TEXT = [5, 6, 7, 8]
 

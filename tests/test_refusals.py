@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from ray_ple.checkpoints.tiny import PRESETS, build
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.posting import engine_post, plan_post, scheduling_kwargs
 from ray_ple.serve.builder import offload_llm_config, validate_args
-from ray_ple.tiny_model import PRESETS, build
 from tests.serving import load_config
 
 

@@ -25,8 +25,8 @@ import pytest
 import requests
 import yaml
 
+from ray_ple.checkpoints.tiny import PRESETS, build
 from ray_ple.supervision.engine_leftovers import SHM_DIR, files_of, remove_unused
-from ray_ple.tiny_model import PRESETS, build
 from ray_ple.tools.ready import app_status
 from tests.hf_reference import hf_agrees
 from tests.leftovers import ple_processes, ple_shm_entries

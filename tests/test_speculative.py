@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from ray_ple.checkpoints.tiny import PRESETS, build, build_mtp_drafter
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
-from ray_ple.tiny_model import PRESETS, build, build_mtp_drafter
 from tests.engines import local_cluster, run_job
 
 # greedy continuations of these repeat a token several times (runs of 210, 240, 166, 68)

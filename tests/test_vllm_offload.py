@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from ray_ple.tiny_model import PRESETS, build
+from ray_ple.checkpoints.tiny import PRESETS, build
 from tests.engines import flat, local_cluster, run_job
 from tests.hf_reference import hf_agrees
 

@@ -457,7 +457,7 @@ def bench_model(model: str, sides: list[str], address: str, reps: int, warmup: i
     keeps its worker and scheduler busy-polling for 1 s after its last message (vLLM's
     SpinCondition), and the worker of every engine is bound to the same core.
     """
-    from ray_ple.tiny_model import resolve
+    from ray_ple.checkpoints.source import resolve
 
     resolve(model)  # build the checkpoint once, before any engine starts
     engines: dict[str, Engine] = {}

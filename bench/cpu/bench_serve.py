@@ -436,7 +436,7 @@ def main() -> None:
         return
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(ENV)
-    from ray_ple.tiny_model import resolve
+    from ray_ple.checkpoints.source import resolve
 
     base = yaml.safe_load(a.config.read_text())
     entry = base["applications"][0]["args"]["llm_configs"][0]

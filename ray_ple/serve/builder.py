@@ -12,13 +12,13 @@ from pydantic import Field, ValidationError
 from ray.serve import Application
 
 from ray_ple.base import Frozen
+from ray_ple.checkpoints.source import resolve
 from ray_ple.config import PleConfig, validation_message
 from ray_ple.engine_plan import OffloadPlan, plan_offload, slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.log import log_event
 from ray_ple.serve.node_init import CALLBACK_CLS
 from ray_ple.serve.server_plan import ServerPlan
-from ray_ple.tiny_model import resolve
 
 SERVER_CLS = "ray_ple.serve.server:PleLLMServer"
 

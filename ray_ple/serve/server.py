@@ -22,6 +22,7 @@ import ray
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_ple.checkpoints.source import resolve
 from ray_ple.errors import PleError
 from ray_ple.log import log_event
 from ray_ple.offload.actor import PairStatus
@@ -30,7 +31,6 @@ from ray_ple.serve.server_plan import ServerPlan
 from ray_ple.supervision.engine_leftovers import files_of, remove_unused, shm_files_of
 from ray_ple.supervision.reaper import replica_tmpdir, start_reaper
 from ray_ple.supervision.supervisor import Supervisor, SupervisorSpec, Verdict
-from ray_ple.tiny_model import resolve
 
 HEALTH_TIMEOUT_S = 5.0
 ENGINE_EXIT_S = 2.0  # for the engine's processes to exit once its shutdown has returned

@@ -22,12 +22,13 @@ import mmap
 from typing import Any
 
 from ray_ple.base import Frozen
+from ray_ple.checkpoints.source import SCHEME
+from ray_ple.checkpoints.tiny import PRESETS, architecture
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import slot_tokens
 from ray_ple.errors import PleConfigError
 from ray_ple.protocol.geometry import geometry_from_config
 from ray_ple.protocol.layout import PairLayout
-from ray_ple.tiny_model import PRESETS, SCHEME, architecture
 from ray_ple.tools.k8s.spec import WorkerEstimates
 from ray_ple.tools.quantity import GiB, parse_bytes
 

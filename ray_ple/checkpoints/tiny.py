@@ -1,4 +1,5 @@
-"""The embedded default model: a tiny random-weight text Gemma 4, built locally.
+"""The embedded models (`ray-ple://<preset>`): tiny random-weight Gemma 4 and Gemma 3n,
+built locally; the default app and the shipped tiny configs serve them, the tests use them.
 
 No model can be downloaded here, so ray-ple builds one: a deterministic seed, an offline
 word-level tokenizer with a chat template, saved as safetensors under the ray-ple cache and
@@ -23,7 +24,6 @@ from ray_ple.base import Frozen
 from ray_ple.errors import PleModelError
 from ray_ple.log import Progress, log_event
 
-SCHEME = "ray-ple://"
 FORMAT_VERSION = 4
 
 
@@ -129,17 +129,6 @@ def model_dir(spec: AnySpec) -> Path:
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, spec.model_dump()]).encode()).hexdigest()
     family = "gemma3n" if isinstance(spec, TinyGemma3nSpec) else "gemma4"
     return cache_root() / "models" / f"{family}-{key[:16]}"
-
-
-def resolve(source: str) -> str:
-    """`ray-ple://<preset>` -> a local checkpoint directory (built once); others unchanged."""
-    if not source.startswith(SCHEME):
-        return source
-    name = source[len(SCHEME):]
-    if name not in PRESETS:
-        raise PleModelError(f"unknown embedded model {source!r}; one of "
-                         f"{[SCHEME + n for n in PRESETS]}")
-    return str(build(PRESETS[name]))
 
 
 # Gemma 3n's media tokens (the released tokenizer's spellings) and the newline words vLLM's
