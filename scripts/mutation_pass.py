@@ -380,7 +380,7 @@ def tests_for(root: Path, module: str, graph: dict[str, set[str]],
     files = [m for m in dependents if m.startswith("tests.test_")]
     paths = {m: str(Path(*m.split(".")).with_suffix(".py")) for m in files}
     return sorted((paths[m] for m in files),
-                  key=lambda p: (p != "tests/test_guards.py",
+                  key=lambda p: (not p.startswith("tests/test_guards_"),
                                  module not in graph[_module_name(root, root / p)],
                                  durations.get(p, 0.0), p))
 
@@ -535,7 +535,7 @@ def covering_tests(copy: Path, m: Mutant, cov: dict) -> list[str]:
     stmt = _statement_line(src, m.start, m.end)  # a continuation line may have no event
     nodes = {t for n in {stmt, *range(first, last + 1)} for t in by_line.get(str(n), ())}
     nodes -= set(cov["broken"])
-    return sorted(nodes, key=lambda t: (not t.startswith("tests/test_guards.py"),
+    return sorted(nodes, key=lambda t: (not t.startswith("tests/test_guards_"),
                                         cov["per_test"].get(t, 0.0), t))
 
 

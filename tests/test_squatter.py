@@ -37,7 +37,8 @@ NOBODY = 65534
 ROWS, LAYERS, DIM = 8192, 8, 64  # 8 MiB of bf16: well above the noise of /proc/meminfo
 FORGED = 0xAB
 
-pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to become uid 65534")
+ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="needs root to become uid 65534")
+pytestmark = ROOT_ONLY
 
 
 @pytest.fixture(scope="module")
