@@ -68,17 +68,25 @@ def test_a_second_worker_cannot_attach_to_a_pair_in_use(tmp_path):
     assert ple_shm_entries() == []
 
 
+def _valid_handle(pair: Pair) -> PairHandle:
+    """The handle of `pair`'s segment, as a setup makes it, checked valid as made."""
+    from ray_ple.protocol.handles import make_pair_handle, validate_pair_handle
+
+    handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
+                              actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
+                              layout=pair.layout)
+    assert validate_pair_handle(handle, GEOMETRY, rank=0) == pair.layout
+    return handle
+
+
 def test_a_handle_whose_slot_index_is_not_its_place_is_refused():
     """`validate_pair_handle`: a slot's index is the key of its offsets; one that is not the
     slot's place is one `PleHandleError` naming it."""
-    from ray_ple.protocol.handles import make_pair_handle, validate_pair_handle
+    from ray_ple.protocol.handles import validate_pair_handle
 
     pair = Pair()
     try:
-        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
-                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
-                                  layout=pair.layout)
-        assert validate_pair_handle(handle, GEOMETRY, rank=0) == pair.layout
+        handle = _valid_handle(pair)
         moved = handle.model_copy(update={"slots": (
             handle.slots[0].model_copy(update={"index": 1}),)})
         with pytest.raises(PleHandleError, match=r"\.index = 1, expected 0"):
@@ -106,14 +114,11 @@ def test_a_handle_whose_segment_size_is_not_the_layouts_is_refused():
     """`validate_pair_handle`: a handle that names a segment of another size than its own
     layout needs would map views past the segment's end (or rows of another layout); one
     `PleHandleError` before anything is mapped."""
-    from ray_ple.protocol.handles import make_pair_handle, validate_pair_handle
+    from ray_ple.protocol.handles import validate_pair_handle
 
     pair = Pair()
     try:
-        handle = make_pair_handle(rank=0, segment=pair.segment.ref(), node_id="local",
-                                  actor_name="t", fingerprint="0" * 64, geometry=GEOMETRY,
-                                  layout=pair.layout)
-        assert validate_pair_handle(handle, GEOMETRY, rank=0) == pair.layout
+        handle = _valid_handle(pair)
         for size in (pair.layout.size - PAGE, pair.layout.size + PAGE):
             other = handle.model_copy(update={
                 "segment": handle.segment.model_copy(update={"size": size})})
