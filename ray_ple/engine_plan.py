@@ -22,6 +22,7 @@ from ray_ple.protocol.posting import plan_post, scheduling_kwargs
 from ray_ple.protocol.support import (
     check_drafter,
     check_media,
+    check_media_imports,
     media_asked,
     refuse_unsupported,
     speculation,
@@ -90,11 +91,12 @@ def plan_offload(checkpoint_dir: str, ple: PleConfig, engine_kwargs: dict[str, A
     check_checkpoint(checkpoint_dir)
     if speculation(kw.get("speculative_config")) == "mtp":
         check_drafter(kw["speculative_config"], geometry.architecture)
-    asked = media_asked(kw)
-    post = plan_post(ple.post, transport, media=bool(asked))
     arch = ARCHITECTURES[geometry.architecture].offload_arch
-    if asked:
+    if asked := media_asked(kw):
         arch = check_media(geometry.architecture, asked, transport)
+    post = plan_post(ple.post, transport, media=bool(asked))
+    if asked:
+        check_media_imports(geometry.architecture)
     settings = PleEngineSettings(geometry=geometry, transport=transport,  # type: ignore[arg-type]
                                  post=post, deadlines=ple.deadlines,
                                  heartbeat_interval_s=ple.supervisor.heartbeat_interval_s)

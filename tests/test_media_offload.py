@@ -9,10 +9,10 @@ different tokens) and read row 0 of the offloaded table (altered there, each med
 tokens change, the text request's do not until it reads row 0 itself); every forward is one
 transaction. Served: `serve run` of both tiny media configs beside the same models
 unoffloaded; image, text, and video (Gemma 4) or audio (Gemma 3n) requests through the
-OpenAI chat API get the same tokens from both (eager engines: four compiled engines do not
-start in time on a 2-core machine; the compiled served path is tests/test_serve.py's). An
-engine whose media positions posted their own ids, not id 0, reads other rows there (Gemma 4)
-and fails both.
+OpenAI chat API get the same tokens from both (Gemma 4's engines compiled, media steps eager
+as vLLM runs them; Gemma 3n's eager: four compiled media engines do not start in time on 2
+cores). An engine whose media positions posted their own ids, not id 0, reads other rows
+there (Gemma 4) and fails both.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -161,15 +162,18 @@ def served(tmp_path_factory):
     for llm in llms:  # four replicas and the ingress on a 2-CPU machine
         llm["placement_group_config"]["bundle_per_worker"] = {"CPU": 0.2}
         llm["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.1}
-        llm["engine_kwargs"]["enforce_eager"] = True
+        if "gemma3n" in llm["model_loading_config"]["model_id"]:
+            llm["engine_kwargs"]["enforce_eager"] = True
     cfg["applications"][0]["args"]["ingress_deployment_config"] = {
         "ray_actor_options": {"num_cpus": 0.1}}
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "media.yaml").write_text(yaml.safe_dump(cfg))
     run = ServeRun(tmp / "media.yaml", tmp / "serve.log", env=media_env())
+    deadline = time.monotonic() + 900
     try:
         for llm in llms:
-            run.wait_ready(llm["model_loading_config"]["model_id"], timeout=900)
+            run.wait_ready(llm["model_loading_config"]["model_id"],
+                           timeout=max(1.0, deadline - time.monotonic()))
         yield run
     finally:
         run.stop()

