@@ -8,7 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
 
 import ray
 
@@ -31,32 +35,70 @@ def run_job(address: str, job: dict, module: str = "tests.engine_job",
     return result
 
 
+@dataclass
+class Job:
+    """A started engine run: its process and the files its output goes to (files, not pipes:
+    a run whose pipe is full would wait on a reader busy with another run)."""
+
+    proc: subprocess.Popen
+    stdout: IO[str]
+    stderr: IO[str]
+
+    def output(self) -> tuple[str, str]:
+        self.stdout.seek(0)
+        self.stderr.seek(0)
+        return self.stdout.read(), self.stderr.read()
+
+
 def start_job(address: str, job: dict, module: str = "tests.engine_job",
-              env: dict | None = None) -> subprocess.Popen:
+              env: dict | None = None) -> Job:
     """An engine run started in its own process group (several engines can share a GPU; the
     group is what `finish_jobs` ends: the run and vLLM's engine processes under it)."""
-    return subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
+    stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
                             env={**os.environ, "RAY_ADDRESS": address, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            stdout=stdout, stderr=stderr, text=True, cwd=REPO,
                             start_new_session=True)
+    return Job(proc, stdout, stderr)
 
 
-def finish_jobs(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]:
-    """The `RESULT` lines of started runs, in order; a run that failed fails the caller
-    (with its output), and every run still going is then killed."""
+def finish_jobs(jobs: list[Job], timeout_s: float = 900,
+                keep_failures: bool = False) -> list[dict]:
+    """The `RESULT` lines of started runs, in order, all within `timeout_s`; a run that failed
+    or ran out of time fails the caller with its output, or with `keep_failures` stands in
+    the list as `{"failed": why, "output": its last lines}`. Every run still going is then
+    killed."""
+    deadline = time.monotonic() + timeout_s
     try:
         results = []
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
+        for job in jobs:
+            try:
+                job.proc.wait(max(0.0, deadline - time.monotonic()))
+                why = f"exit {job.proc.returncode}"
+            except subprocess.TimeoutExpired:
+                why = f"still running after {timeout_s:.0f} s"
+                _end(job)
+            stdout, stderr = job.output()
             lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            if job.proc.returncode == 0 and lines:
+                results.append(json.loads(lines[-1][len("RESULT "):]))
+                continue
+            output = stdout[-3000:] + stderr[-5000:]
+            assert keep_failures, f"{why}\n{output}"
+            results.append({"failed": why, "output": output})
         return results
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # what is left of a run that failed
-            proc.wait(10)
+        for job in jobs:
+            _end(job)
+            job.stdout.close()
+            job.stderr.close()
+
+
+def _end(job: Job) -> None:
+    """What is left of a run: its whole process group (vLLM's engine processes too)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(10)
 
 
 def run_jobs(address: str, jobs: list[dict], module: str = "tests.engine_job",

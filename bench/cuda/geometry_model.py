@@ -115,7 +115,7 @@ def _build(model: str, out: Path, device: str, seed: int) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     (out / "config.json").write_text(json.dumps(config(model), indent=1))
-    from ray_ple.checkpoints.tiny import word_tokenizer
+    from ray_ple.checkpoints.words import word_tokenizer
 
     word_tokenizer(config(model)["vocab_size"], out)
     done.write_text(json.dumps({"model": model, "format": FORMAT, "seed": seed}))

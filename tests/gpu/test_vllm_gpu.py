@@ -15,6 +15,7 @@ summary kept under `bench/cuda/results/`); elsewhere every test is skipped with 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -34,6 +35,8 @@ PROMPTS = [[5, 6, 7, 8], [100, 101], [9, 30, 31, 32, 33, 34, 35, 36, 37, 38], [2
            [2, 17, 200, 201, 202, 255, 4], [60] * 20, [191, 192, 193], [44, 45, 46]]
 BATCHES = [[p] for p in PROMPTS[:6]] + [PROMPTS]
 MAX_TOKENS = 24
+# every engine's start and runs, within the device stage's limit (`scripts/gpu_device_run.sh`)
+JOBS_S = float(os.environ.get("RAY_PLE_GPU_JOBS_S", "480"))
 
 
 def _job(model: str, mode: str, enabled: bool = True, **extra: Any) -> dict[str, Any]:
@@ -68,14 +71,22 @@ def runs(cluster: str) -> dict[tuple[str, ...], dict]:
     for name, (module, job) in features.items():
         for v in ("offload", "plain"):
             jobs[name, v] = (module, {**job, "ple": {"enabled": v == "offload"}})
-    procs = [start_job(cluster, job, module) for module, job in jobs.values()]
-    return dict(zip(jobs, finish_jobs(procs, timeout_s=540)))
+    started = [start_job(cluster, job, module) for module, job in jobs.values()]
+    return dict(zip(jobs, finish_jobs(started, timeout_s=JOBS_S, keep_failures=True)))
+
+
+def _run(runs: dict[tuple[str, ...], dict], *key: str) -> dict:
+    """One engine's result; an engine that failed fails only the tests that read it."""
+    run = runs[key]
+    if "failed" in run:
+        pytest.fail(f"{'/'.join(key)}: {run['failed']}\n{run['output']}", pytrace=False)
+    return run
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(runs, model, mode):
-    offload, plain = runs[model, mode, "offload"], runs[model, mode, "plain"]
+    offload, plain = _run(runs, model, mode, "offload"), _run(runs, model, mode, "plain")
     assert offload["tokens"] == plain["tokens"]
     assert all(len(t) == MAX_TOKENS for batch in offload["tokens"] for t in batch)
     (status,) = offload["status"]
@@ -89,8 +100,8 @@ def test_token_ids_identical_to_plain_vllm_on_the_same_gpu(runs, model, mode):
 def test_the_projects_cuda_defaults_as_vllm_resolved_them(runs, mode):
     """vLLM's async scheduling kept and the stream posting each step (`post: auto`), the
     cuda transport; compiled with CUDA graphs, or eager."""
-    (pair,), (none,) = runs["gemma4", mode, "offload"]["pair"], runs["gemma4", mode, "plain"][
-        "pair"]
+    (pair,) = _run(runs, "gemma4", mode, "offload")["pair"]
+    (none,) = _run(runs, "gemma4", mode, "plain")["pair"]
     assert none is None
     assert pair["transport"] == "CudaTransport" and pair["async_scheduling"], pair
     assert pair["stream_posts"], pair
@@ -102,8 +113,8 @@ def test_the_projects_cuda_defaults_as_vllm_resolved_them(runs, mode):
 
 def test_worker_holds_no_ple_table_on_the_gpu(runs):
     for model in MODELS:
-        (inv_off,) = runs[model, "compiled", "offload"]["inventory"]
-        (inv_plain,) = runs[model, "compiled", "plain"]["inventory"]
+        (inv_off,) = _run(runs, model, "compiled", "offload")["inventory"]
+        (inv_plain,) = _run(runs, model, "compiled", "plain")["inventory"]
         assert [n for n, _ in inv_plain if "embed_tokens_per_layer" in n], "plain holds it"
         assert not [n for n, _ in inv_off if "embed_tokens_per_layer" in n]
 
@@ -116,7 +127,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 def test_image_and_video_through_gemma4_with_towers_equal_plain(runs):
-    offload, plain = runs["media", "offload"], runs["media", "plain"]
+    offload, plain = _run(runs, "media", "offload"), _run(runs, "media", "plain")
     assert offload["tokens"] == plain["tokens"]
     assert offload["prompt_tokens"] == plain["prompt_tokens"]
     images = offload["tokens"][:2]
@@ -126,7 +137,7 @@ def test_image_and_video_through_gemma4_with_towers_equal_plain(runs):
 
 
 def test_ngram_speculation_equal_plain_with_drafts_accepted(runs):
-    offload, plain = runs["ngram", "offload"], runs["ngram", "plain"]
+    offload, plain = _run(runs, "ngram", "offload"), _run(runs, "ngram", "plain")
     assert offload["tokens"] == plain["tokens"]
     assert offload["spec"]["accepted"] > 0, offload["spec"]
     assert offload["spec"] == plain["spec"]
@@ -137,8 +148,8 @@ def test_ngram_speculation_equal_plain_with_drafts_accepted(runs):
 def test_offload_killed_mid_decode_the_generate_fails_closed(runs):
     """The offload actor dies while a long decode runs (CUDA graphs replaying the pull): no
     token computed from a missing row comes back, and the next generate raises."""
-    kill = runs["kill", "offload"]["kill"]
-    reference = runs["kill", "plain"]["long"]
+    kill = _run(runs, "kill", "offload")["kill"]
+    reference = _run(runs, "kill", "plain")["long"]
     during, after = kill["during"], kill["after"]
     if "tokens" in during:  # finished before the kill took effect: then every token is right
         assert during["tokens"] == reference
