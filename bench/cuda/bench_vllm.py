@@ -169,6 +169,22 @@ class GpuSampler:
         return max((u for t, u in self.samples if t <= until), default=0)
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """The run and its engine processes, 30 s after its RESULT (or its end): a process that
+    does not exit by itself is ended, so that the next run finds the card free."""
+    import signal
+
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        print(json.dumps({"event": "bench_vllm_run_ended", "pid": proc.pid}), flush=True)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
     """One engine in its own process: its RESULT, what its log reported, the load peak."""
     base = GpuSampler()
@@ -178,7 +194,8 @@ def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
     with base, open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bench.cuda.bench_vllm", "--one",
                                  json.dumps(job)], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
         for line in proc.stdout:
             f.write(line)
             lines.append(line)
@@ -187,7 +204,9 @@ def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
             if line.startswith(("{\"event\": \"bench_vllm_case\"", "RESULT")) or \
                     any(k in line for k in ("Error", "KV cache size")):
                 print(line.rstrip()[:400], flush=True)
-        proc.wait()
+            if line.startswith("RESULT "):
+                break
+        _end(proc)
     text = "".join(lines)
     result_lines = [ln for ln in lines if ln.startswith("RESULT ")]
     if proc.returncode or not result_lines:
