@@ -111,7 +111,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     engine = {"dtype": "bfloat16", "max_model_len": job["max_model_len"],
               "gpu_memory_utilization": job["gpu_memory_utilization"],
               "max_num_seqs": job["max_num_seqs"], "max_num_batched_tokens": 8192,
-              "skip_tokenizer_init": True, "seed": 0}
+              "skip_tokenizer_init": True, "seed": 0,
+              "attention_backend": job["attention_backend"]}
     t0 = time.monotonic()
     out: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__}
     with offloaded_llm(job["checkpoint"], {"enabled": job["variant"] == "offload"},
@@ -236,6 +237,9 @@ def main() -> None:
     ap.add_argument("--long-prompt-len", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    # vLLM's Triton attention: the FlashAttention build picks its CuTe kernels for E4B's
+    # 512-wide global heads, which need the CUTLASS DSL the bundle leaves out
+    ap.add_argument("--attention-backend", default="TRITON_ATTN")
     ap.add_argument("--first", choices=["offload", "plain"], default="offload")
     args = ap.parse_args()
     if args.one:
@@ -257,7 +261,8 @@ def main() -> None:
         for variant in order:
             job = {"checkpoint": str(ckpt), "variant": variant, "gpu_memory_utilization": util,
                    "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                   "vocab": vocab, "cases": cases + ([{"concurrency": long_c,
+                   "vocab": vocab, "attention_backend": args.attention_backend,
+                   "cases": cases + ([{"concurrency": long_c,
                                                        "prompt_len": args.long_prompt_len,
                                                        "output_len": args.output_len,
                                                        "long": True}] if long_c else [])}
