@@ -151,9 +151,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     import ray
 
+    from tests.engines import report
+
     # collective_rpc of a test function (the worker's parameter inventory) needs pickle
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     result = run(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)

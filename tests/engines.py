@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -48,6 +49,14 @@ class Job:
         self.stdout.seek(0)
         self.stderr.seek(0)
         return self.stdout.read(), self.stderr.read()
+
+
+def report(result: dict, exit_s: float = 60) -> None:
+    """A run's last word: its `RESULT` line. A run that then does not exit within `exit_s`
+    prints every thread's stack and exits 1: a hang at exit fails with its place, instead of
+    a run that never ends (`finish_jobs` keeps its output)."""
+    print("RESULT " + json.dumps(result), flush=True)
+    faulthandler.dump_traceback_later(exit_s, exit=True)
 
 
 def start_job(address: str, job: dict, module: str = "tests.engine_job",

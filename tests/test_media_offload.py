@@ -32,7 +32,7 @@ from ray_ple.checkpoints.tiny import PRESETS, build
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
-from tests.engines import REPO, local_cluster, run_job
+from tests.engines import REPO, local_cluster, report, run_job
 from tests.media import media_env
 from tests.serving import BASE, ServeRun, audio_part, image_part, load_config, video_part
 
@@ -267,4 +267,4 @@ if __name__ == "__main__":
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     result = run(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)

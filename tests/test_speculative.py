@@ -23,7 +23,7 @@ from ray_ple.checkpoints.tiny import PRESETS, build, build_mtp_drafter
 from ray_ple.config import PleConfig
 from ray_ple.engine_plan import plan_offload
 from ray_ple.errors import PleConfigError
-from tests.engines import local_cluster, run_job
+from tests.engines import local_cluster, report, run_job
 
 # greedy continuations of these repeat a token several times (runs of 210, 240, 166, 68)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8], [10, 11, 12, 13, 14, 10, 11, 12, 13, 14],
@@ -205,4 +205,4 @@ if __name__ == "__main__":
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     result = run(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)

@@ -11,8 +11,9 @@ card's peak memory while the engine loaded (before vLLM reports the model loaded
 allocated on the GPU during the load shows). Then greedy requests at each concurrency, all
 submitted at once and stepped through vLLM's engine: output tokens/s, median TPOT and TTFT,
 and the sha256 of every generated id (equal hashes: equal outputs). A last case at the
-budget's long concurrency: as many 2,048-token requests as the offload's KV cache holds
-(`--long-*`), which plain must queue.
+budget's long concurrency: as many 2,048-token requests as the first run's KV cache holds
+(`--long-*`; `--long-prompt-len 0`: none). Both sides use vLLM's Triton attention
+(`--attention-backend`) and, with `--enforce-eager`, no compile and no CUDA graphs.
 
     python -m bench.cuda.bench_vllm --model gemma-4-E4B --out DIR [--budgets l4 0.9]
 
@@ -112,7 +113,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
               "gpu_memory_utilization": job["gpu_memory_utilization"],
               "max_num_seqs": job["max_num_seqs"], "max_num_batched_tokens": 8192,
               "skip_tokenizer_init": True, "seed": 0,
-              "attention_backend": job["attention_backend"]}
+              "attention_backend": job["attention_backend"],
+              "enforce_eager": job.get("enforce_eager", False)}
     t0 = time.monotonic()
     out: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__}
     with offloaded_llm(job["checkpoint"], {"enabled": job["variant"] == "offload"},
@@ -124,7 +126,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         config = llm.llm_engine.vllm_config
         out["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
         out["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
-        _measure(llm, _requests(8, 32, job["vocab"], 99), 8)  # warm-up, not recorded
+        # warm-up, not recorded: each case's shapes once, so that no Triton kernel is
+        # compiled inside a measured case (it would land in that case's first token)
+        for case in job["cases"]:
+            _measure(llm, _requests(case["concurrency"], case["prompt_len"], job["vocab"], 99), 4)
         cases = []
         for case in job["cases"]:
             prompts = _requests(case["concurrency"], case["prompt_len"], job["vocab"],
@@ -234,12 +239,13 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--long-prompt-len", type=int, default=2048)
+    ap.add_argument("--long-prompt-len", type=int, default=2048, help="0: no long case")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     # vLLM's Triton attention: the FlashAttention build picks its CuTe kernels for E4B's
     # 512-wide global heads, which need the CUTLASS DSL the bundle leaves out
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
+    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--first", choices=["offload", "plain"], default="offload")
     args = ap.parse_args()
     if args.one:
@@ -262,6 +268,7 @@ def main() -> None:
             job = {"checkpoint": str(ckpt), "variant": variant, "gpu_memory_utilization": util,
                    "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                    "vocab": vocab, "attention_backend": args.attention_backend,
+                   "enforce_eager": args.enforce_eager,
                    "cases": cases + ([{"concurrency": long_c,
                                                        "prompt_len": args.long_prompt_len,
                                                        "output_len": args.output_len,
@@ -276,7 +283,7 @@ def main() -> None:
                     f.write(json.dumps(line) + "\n")
                 print(json.dumps(line)[:3000], flush=True)
                 continue
-            if long_c is None and r.get("max_concurrency"):
+            if long_c is None and args.long_prompt_len > 0 and r.get("max_concurrency"):
                 # as many long requests as this run's KV cache holds at once (the first run
                 # sets it; `--first offload` makes that the offload's)
                 long_c = min(args.max_num_seqs, int(r["max_concurrency"] * args.max_model_len
