@@ -92,7 +92,9 @@ def finish_jobs(jobs: list[Job], timeout_s: float = 900,
             if job.proc.returncode == 0 and lines:
                 results.append(json.loads(lines[-1][len("RESULT "):]))
                 continue
-            output = stdout[-3000:] + stderr[-5000:]
+            if lines:
+                why += ", after its RESULT"
+            output = stdout[-3000:] + stderr[-12000:]  # the stacks of a run hung at exit
             assert keep_failures, f"{why}\n{output}"
             results.append({"failed": why, "output": output})
         return results
