@@ -13,7 +13,9 @@ submitted at once and stepped through vLLM's engine: output tokens/s, median TPO
 and the sha256 of every generated id (equal hashes: equal outputs). A last case at the
 budget's long concurrency: as many 2,048-token requests as the first run's KV cache holds
 (`--long-*`; `--long-prompt-len 0`: none). Both sides use vLLM's Triton attention
-(`--attention-backend`) and, with `--enforce-eager`, no compile and no CUDA graphs.
+(`--attention-backend`) and, with `--enforce-eager`, no compile and no CUDA graphs;
+`--ple` sets the offload's `ple:` block (`{"parts": 1, "resident_layers": 0}`: the whole row
+pulled at layer 0), `--only` runs one side.
 
     python -m bench.cuda.bench_vllm --model gemma-4-E4B --out DIR [--budgets l4 0.9]
 
@@ -117,7 +119,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
               "enforce_eager": job.get("enforce_eager", False)}
     t0 = time.monotonic()
     out: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    with offloaded_llm(job["checkpoint"], {"enabled": job["variant"] == "offload"},
+    ple = {**job["ple"], "enabled": True} if job["variant"] == "offload" else {"enabled": False}
+    with offloaded_llm(job["checkpoint"], ple,
                        **engine) as llm:
         out["build_s"] = round(time.monotonic() - t0, 1)
         out["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
@@ -247,6 +250,10 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--first", choices=["offload", "plain"], default="offload")
+    ap.add_argument("--only", choices=["offload", "plain"],
+                    help="one side (the other's figures from an earlier run)")
+    ap.add_argument("--ple", type=json.loads, default={},
+                    help='the offload\'s `ple:` block, as JSON (e.g. \'{"parts": 1}\')')
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(json.loads(args.one))), flush=True)
@@ -257,7 +264,8 @@ def main() -> None:
     ckpt = build(args.model, args.checkpoint_dir / args.model)
     vocab = config(args.model)["vocab_size"]
     total_gib = GpuSampler().total / 2**30
-    order = [args.first, "plain" if args.first == "offload" else "offload"]
+    order = [args.only] if args.only else [
+        args.first, "plain" if args.first == "offload" else "offload"]
     command = "python -m bench.cuda.bench_vllm " + " ".join(sys.argv[1:])
     for budget in args.budgets:
         util = round(0.9 * L4_GIB / total_gib, 4) if budget == "l4" else float(budget)
@@ -268,7 +276,7 @@ def main() -> None:
             job = {"checkpoint": str(ckpt), "variant": variant, "gpu_memory_utilization": util,
                    "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                    "vocab": vocab, "attention_backend": args.attention_backend,
-                   "enforce_eager": args.enforce_eager,
+                   "enforce_eager": args.enforce_eager, "ple": args.ple,
                    "cases": cases + ([{"concurrency": long_c,
                                                        "prompt_len": args.long_prompt_len,
                                                        "output_len": args.output_len,
@@ -276,7 +284,8 @@ def main() -> None:
             r = run_variant(job, args.out / f"{variant}-{budget}.log")
             common = {"model": args.model, "variant": variant, "budget": budget,
                       "gpu_memory_utilization": util, "max_model_len": args.max_model_len,
-                      "command": command}
+                      "enforce_eager": args.enforce_eager,
+                      "ple": args.ple if variant == "offload" else None, "command": command}
             if "error" in r:
                 line = {**common, "error": r["error"], "tail": r["tail"][-1500:]}
                 with open(args.out / "vllm_gpu.jsonl", "a") as f:

@@ -162,8 +162,10 @@ def _config(tmp: Path, checkpoint: Path) -> Path:
     deployment = llm["deployment_config"]
     deployment.pop("num_replicas", None)
     deployment["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 1}
+    # Triton attention: for E4B's 512-wide global heads vLLM's FlashAttention picks its CuTe
+    # kernels, which need the CUTLASS DSL that the GPU bundle does not carry
     llm["engine_kwargs"].update(max_model_len=8192, max_num_seqs=64,
-                                gpu_memory_utilization=0.5)
+                                gpu_memory_utilization=0.5, attention_backend="TRITON_ATTN")
     llm["ple"]["offload_num_cpus"] = 1
     env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
     env.update(VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
