@@ -11,11 +11,11 @@ card's peak memory while the engine loaded (before vLLM reports the model loaded
 allocated on the GPU during the load shows). Then greedy requests at each concurrency, all
 submitted at once and stepped through vLLM's engine: output tokens/s, median TPOT and TTFT,
 and the sha256 of every generated id (equal hashes: equal outputs). A last case at the
-budget's long concurrency: as many 2,048-token requests as the first run's KV cache holds
-(`--long-*`; `--long-prompt-len 0`: none). Both sides use vLLM's Triton attention
-(`--attention-backend`) and, with `--enforce-eager`, no compile and no CUDA graphs;
-`--ple` sets the offload's `ple:` block (`{"parts": 1, "resident_layers": 0}`: the whole row
-pulled at layer 0), `--only` runs one side.
+budget's long concurrency, in the second run only: as many 2,048-token requests as the
+first run's KV cache holds (`--long-*`; none with `--only` or `--long-prompt-len 0`). Both
+sides use vLLM's Triton attention (`--attention-backend`) and, with `--enforce-eager`, no
+compile and no CUDA graphs; `--ple` sets the offload's `ple:` block (`{"parts": 1,
+"resident_layers": 0}`: the whole row pulled at layer 0), `--only` runs one side.
 
     python -m bench.cuda.bench_vllm --model gemma-4-E4B --out DIR [--budgets l4 0.9]
 
@@ -115,11 +115,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
               "gpu_memory_utilization": job["gpu_memory_utilization"],
               "max_num_seqs": job["max_num_seqs"], "max_num_batched_tokens": 8192,
               "skip_tokenizer_init": True, "seed": 0,
-              "attention_backend": job["attention_backend"],
+              "attention_backend": job.get("attention_backend", "TRITON_ATTN"),
               "enforce_eager": job.get("enforce_eager", False)}
     t0 = time.monotonic()
     out: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    ple = {**job["ple"], "enabled": True} if job["variant"] == "offload" else {"enabled": False}
+    ple = ({**job.get("ple", {}), "enabled": True} if job["variant"] == "offload"
+           else {"enabled": False})
     with offloaded_llm(job["checkpoint"], ple,
                        **engine) as llm:
         out["build_s"] = round(time.monotonic() - t0, 1)
@@ -178,20 +179,14 @@ class GpuSampler:
         return max((u for t, u in self.samples if t <= until), default=0)
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """The run and its engine processes, 30 s after its RESULT (or its end): a process that
-    does not exit by itself is ended, so that the next run finds the card free."""
+def _end_group(proc: subprocess.Popen) -> None:
+    """The run's whole process group (its engine processes too)."""
     import signal
 
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        print(json.dumps({"event": "bench_vllm_run_ended", "pid": proc.pid}), flush=True)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
 
 
 def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
@@ -205,6 +200,10 @@ def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
                                  json.dumps(job)], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 start_new_session=True)
+        # a run that has not exited 30 s after its RESULT is ended (with its engine
+        # processes), so that the next run finds the card free; its output is still read
+        # to the end, into the log
+        ender = threading.Timer(30, _end_group, (proc,))
         for line in proc.stdout:
             f.write(line)
             lines.append(line)
@@ -213,14 +212,17 @@ def run_variant(job: dict[str, Any], log: Path) -> dict[str, Any]:
             if line.startswith(("{\"event\": \"bench_vllm_case\"", "RESULT")) or \
                     any(k in line for k in ("Error", "KV cache size")):
                 print(line.rstrip()[:400], flush=True)
-            if line.startswith("RESULT "):
-                break
-        _end(proc)
+            if line.startswith("RESULT ") and not ender.is_alive():
+                ender.start()
+        proc.wait()
+        ender.cancel()
+        _end_group(proc)
     text = "".join(lines)
     result_lines = [ln for ln in lines if ln.startswith("RESULT ")]
-    if proc.returncode or not result_lines:
+    if not result_lines:
         return {"error": f"exit {proc.returncode}", "tail": text[-3000:]}
     result = json.loads(result_lines[-1][len("RESULT "):])
+    result["exit"] = proc.returncode  # -9: ended 30 s after its RESULT
     for key, pattern in LOG_PATTERNS.items():
         m = re.search(pattern, text)
         result[key] = (None if m is None else float(m.group(1).replace(",", "")))

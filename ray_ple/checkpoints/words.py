@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def word_tokenizer(vocab_size: int, out: Path, media: dict[int, str] | None = None,
-               special: dict[str, str] | None = None, template: str | None = None) -> None:
+                   special: dict[str, str] | None = None, template: str | None = None) -> None:
     """A word-level tokenizer (`w<i>`); `media`: ids spelled otherwise, matched before the
     split on whitespace (newlines included); `special`: the names the processor reads
     (`tokenizer.image_token`, ...)."""
